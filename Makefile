@@ -1,0 +1,24 @@
+# The two quick-start commands: `make demo` runs the main job, `make test` runs the whole test suite.
+# Both create (or reuse) the virtual environment .venv, installing torch==2.13.0 first (the CPU build),
+# then the project with its dev extra.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/sparsegen: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+.PHONY: install demo test lint
+install: $(BIN)/sparsegen
+
+demo: install
+	$(BIN)/sparsegen stream --out results/stream
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check src tests bench

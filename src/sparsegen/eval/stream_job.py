@@ -1,0 +1,124 @@
+"""The main job: compare KV policies on one long stream, past the model's pretrained window."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from sparsegen.data import load_text, tokenize_long
+from sparsegen.errors import SparsegenError
+from sparsegen.eval.streaming import PolicyRun, StreamResult, stream_compare
+from sparsegen.ioutil import write_json
+from sparsegen.kv import POLICIES, split_budget
+from sparsegen.models import load
+from sparsegen.report import plot_lines, running_mean
+
+STREAM_COLUMNS = [
+    ("label", "policy"),
+    ("position", "positions"),
+    ("tokens", "tokens"),
+    ("ppl_in_window", "ppl ≤ window"),
+    ("ppl_past_window", "ppl > window"),
+    ("ppl", "ppl all"),
+    ("kl", "KL vs full"),
+    ("top1", "top-1 agree"),
+    ("kv_mb", "KV MB"),
+    ("tokens_per_s", "tok/s"),
+    ("note", "note"),
+]
+
+
+def policy_runs(
+    policies: list[str],
+    budget: int | None,
+    sinks: int | None,
+    recent: int | None,
+    heavy: int | None,
+    position: str | None,
+    model_window: int,
+) -> list[PolicyRun]:
+    """One PolicyRun per policy name, all at the same budget."""
+    runs = []
+    for name in policies:
+        if name not in POLICIES:
+            raise SparsegenError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
+        if name == "full":
+            runs.append(
+                PolicyRun(
+                    "full", "full", max_tokens=model_window, note=f"stops at the model's {model_window}-token window"
+                )
+            )
+            continue
+        if budget is not None:
+            parts = split_budget(name, budget, sinks)
+        else:
+            total = (sinks or 0) + (recent or 0) + (heavy or 0)
+            if total == 0:
+                raise SparsegenError("give --budget or --sinks/--recent/--heavy")
+            parts = split_budget(name, total, sinks if name in ("streaming", "streaming_h2o") else None)
+            if name in ("streaming", "streaming_h2o") and sinks is None:
+                parts = split_budget(name, total, 0 if total <= 4 else 4)
+        runs.append(PolicyRun(name, name, position=position, budget=parts))
+    return runs
+
+
+def stream_job(
+    model_name: str,
+    text: str,
+    policies: list[str],
+    tokens: int,
+    chunk: int,
+    out: Path,
+    budget: int | None = None,
+    sinks: int | None = None,
+    recent: int | None = None,
+    heavy: int | None = None,
+    position: str | None = None,
+    progress: bool = True,
+) -> dict[str, StreamResult]:
+    """Run the comparison, write results.json, NLL files and the plot into `out`; return results."""
+    model, tokenizer = load(model_name)
+    model_window = model.config.get_text_config().max_position_embeddings
+    runs = policy_runs(policies, budget, sinks, recent, heavy, position, model_window)
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)
+    if ids.numel() < tokens:
+        raise SparsegenError(f"the text has only {ids.numel()} tokens, fewer than --tokens {tokens}")
+    torch.manual_seed(0)
+    reference = "full" if "full" in policies else None
+    started = time.time()
+    results = stream_compare(model, ids, runs, chunk=chunk, reference=reference, out_dir=out, progress=progress)
+    rows = {}
+    for label, result in results.items():
+        row = result.summary()
+        row["ppl_in_window"] = result.ppl_between(0, model_window - 1)
+        row["ppl_past_window"] = result.ppl_between(model_window - 1)
+        rows[label] = row
+    write_json(out / "results.json", rows)
+    write_json(
+        out / "meta.json",
+        {
+            "model": model_name,
+            "text": text,
+            "tokens": int(ids.numel()),
+            "chunk": chunk,
+            "model_window": model_window,
+            "seconds": round(time.time() - started, 1),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+    )
+    smooth = 256
+    plot_lines(
+        {label: running_mean(r.nll, smooth) for label, r in results.items()},
+        out / "stream_nll.png",
+        xlabel="token position in the stream",
+        ylabel=f"NLL (log-perplexity), mean of {smooth} tokens",
+        title=f"{model_name} on {Path(text).name}, chunk {chunk}",
+        vline=model_window,
+        vline_label="pretrained window",
+    )
+    return results

@@ -1,0 +1,322 @@
+"""Streaming perplexity (StreamingLLM's protocol) for several KV policies in lockstep.
+
+The text is fed `chunk` tokens at a time (chunk=1 is exact token-by-token streaming); every policy
+sees the same chunk, so fidelity to the full cache (KL divergence, top-1 agreement) is measured on
+the fly without storing logits. Per-token NLLs are appended to one plain file per policy as they
+are computed, and the caches are checkpointed, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from sparsegen.errors import SparsegenError
+from sparsegen.ioutil import save_torch
+from sparsegen.kv import Policy, PolicyCache, make_cache
+
+RECOMPUTE = "recompute"
+
+
+@dataclass
+class PolicyRun:
+    """One configuration under evaluation.
+
+    `policy` is a KV policy name or instance, or "recompute": the sliding window with
+    re-computation baseline, where every token re-encodes its last `window` tokens from scratch.
+    `max_tokens` stops this run early (the full cache stops at the model's pretrained window).
+    """
+
+    label: str
+    policy: str | Policy
+    position: str | None = None
+    budget: dict = field(default_factory=dict)
+    max_tokens: int | None = None
+    window: int = 0
+    note: str = ""
+
+
+@dataclass
+class StreamResult:
+    label: str
+    policy: str
+    position: str | None
+    chunk: int
+    tokens: int
+    ppl: float
+    window: int
+    window_ppl: list[float]
+    kv_mb: float
+    tokens_per_s: float
+    kl: float | None = None
+    top1: float | None = None
+    fidelity_tokens: int = 0
+    note: str = ""
+    nll_file: str | None = None
+    nll: list[float] = field(default_factory=list, repr=False)
+
+    def ppl_between(self, start: int, stop: int | None = None) -> float:
+        """Perplexity over scored tokens [start, stop) of the stream."""
+        part = self.nll[start:stop]
+        return math.exp(sum(part) / len(part)) if part else float("nan")
+
+    def summary(self) -> dict:
+        data = asdict(self)
+        data.pop("nll")
+        return data
+
+
+class _Runner:
+    """State of one PolicyRun while streaming."""
+
+    def __init__(self, model, run: PolicyRun) -> None:
+        self.run = run
+        self.recompute = run.policy == RECOMPUTE
+        if self.recompute and run.window < 1:
+            raise SparsegenError("the recompute baseline needs window >= 1")
+        self.cache: PolicyCache | None = None
+        if not self.recompute:
+            self.cache = make_cache(model, run.policy, position=run.position, **run.budget)
+        self.nll: list[float] = []
+        self.seconds = 0.0
+        self.kv_bytes = 0
+        self.kl_sum = 0.0
+        self.top1 = 0
+        self.compared = 0
+
+    def active(self, start: int) -> int:
+        """How many of the next chunk's tokens this run still takes (0 once stopped)."""
+        limit = self.run.max_tokens
+        return 1 << 62 if limit is None else max(0, limit - start)
+
+    def describe(self) -> str:
+        if self.recompute:
+            return f"recompute(window={self.run.window})"
+        return self.cache.policy.describe()
+
+    def state(self) -> dict:
+        layers = None
+        if self.cache is not None:
+            layers = [
+                {k: v for k, v in layer.__dict__.items() if k not in ("policy", "rotation")}
+                for layer in self.cache.layers
+            ]
+        return {
+            "layers": layers,
+            "seconds": self.seconds,
+            "kv_bytes": self.kv_bytes,
+            "kl_sum": self.kl_sum,
+            "top1": self.top1,
+            "compared": self.compared,
+        }
+
+    def restore(self, state: dict, nll: list[float]) -> None:
+        if self.cache is not None:
+            for layer, saved in zip(self.cache.layers, state["layers"], strict=True):
+                layer.__dict__.update(saved)
+        for key in ("seconds", "kv_bytes", "kl_sum", "top1", "compared"):
+            setattr(self, key, state[key])
+        self.nll = nll
+
+
+def _recompute_logits(model, ids: torch.Tensor, start: int, n: int, window: int, batch: int = 16) -> torch.Tensor:
+    """Logits for positions start..start+n-1, each from a fresh forward over its last `window` tokens."""
+    if start + n <= window:  # every token still sees the whole prefix: one causal forward
+        return model(ids[None, : start + n]).logits[0, start:]
+    rows = [model(ids[None, : t + 1]).logits[0, -1:] for t in range(start, min(start + n, window - 1))]
+    full = range(max(start, window - 1), start + n)
+    for lo in range(0, len(full), batch):
+        windows = torch.stack([ids[t + 1 - window : t + 1] for t in full[lo : lo + batch]])
+        rows.append(model(windows).logits[:, -1])
+    return torch.cat(rows)
+
+
+def _fingerprint(ids: torch.Tensor, runs: list[PolicyRun], chunk: int) -> str:
+    digest = hashlib.sha256(ids.numpy().tobytes())
+    digest.update(repr([(r.label, str(r.policy), r.position, r.budget, r.max_tokens, r.window) for r in runs]).encode())
+    digest.update(str(chunk).encode())
+    return digest.hexdigest()
+
+
+def _read_nll(path: Path, count: int) -> list[float]:
+    values = [float(line) for line in path.read_text().split()] if path.exists() else []
+    if len(values) < count:
+        raise SparsegenError(
+            f"{path} holds {len(values)} values but the checkpoint needs {count}; delete the run folder"
+        )
+    return values[:count]
+
+
+@torch.inference_mode()
+def stream_compare(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    runs: list[PolicyRun],
+    chunk: int = 1,
+    reference: str | None = None,
+    out_dir: str | Path | None = None,
+    window: int = 1024,
+    checkpoint_every: int = 4096,
+    progress: bool = True,
+) -> dict[str, StreamResult]:
+    """Stream `input_ids` (1-D) through every run in lockstep; return results by label.
+
+    `reference` names the run (normally the full cache) that fidelity is measured against, over
+    the tokens it covers. With `out_dir`, NLLs go to `nll_<label>.txt` as they are computed and a
+    checkpoint lets an interrupted call resume with the same arguments.
+    """
+    if input_ids.dim() != 1 or input_ids.numel() < 2:
+        raise SparsegenError("stream evaluation needs a 1-D sequence of at least 2 tokens")
+    if chunk < 1:
+        raise SparsegenError("chunk must be >= 1")
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise SparsegenError(f"run labels must be unique: {labels}")
+    if reference is not None and reference not in labels:
+        raise SparsegenError(f"reference {reference!r} is not one of the runs {labels}")
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    total = ids.numel() - 1  # tokens that have a next token to predict
+    runners = [_Runner(model, run) for run in sorted(runs, key=lambda r: r.label != reference)]
+
+    done = 0
+    out = Path(out_dir) if out_dir is not None else None
+    files: dict[str, Path] = {}
+    checkpoint = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        files = {r.run.label: out / f"nll_{r.run.label}.txt" for r in runners}
+        checkpoint = out / "stream_state.pt"
+        fingerprint = _fingerprint(input_ids.cpu(), runs, chunk)
+        if checkpoint.exists():
+            saved = torch.load(checkpoint, weights_only=False)
+            if saved["fingerprint"] == fingerprint:
+                done = saved["done"]
+                for runner in runners:
+                    entry = saved["runners"][runner.run.label]
+                    runner.restore(entry["state"], _read_nll(files[runner.run.label], entry["count"]))
+        for runner in runners:  # truncate to what the checkpoint covers (or start afresh)
+            files[runner.run.label].write_text("".join(f"{v:.6f}\n" for v in runner.nll))
+    handles = {label: open(path, "a") for label, path in files.items()}  # noqa: SIM115  (closed in finally)
+
+    def save_checkpoint() -> None:
+        for handle in handles.values():
+            handle.flush()
+        save_torch(
+            checkpoint,
+            {
+                "fingerprint": fingerprint,
+                "done": done,
+                "runners": {r.run.label: {"state": r.state(), "count": len(r.nll)} for r in runners},
+            },
+        )
+
+    bar = Progress(
+        TextColumn("[bold]streaming"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeRemainingColumn(),
+        disable=not progress,
+        transient=False,
+    )
+    try:
+        with bar:
+            task = bar.add_task("stream", total=total, completed=done)
+            next_checkpoint = done + checkpoint_every
+            while done < total:
+                n = min(chunk, total - done)
+                tokens, targets = ids[done : done + n], ids[done + 1 : done + 1 + n]
+                reference_logp = None
+                for runner in runners:
+                    take = min(n, runner.active(done))
+                    if take == 0:
+                        continue
+                    began = time.perf_counter()
+                    if runner.recompute:
+                        logits = _recompute_logits(model, ids, done, take, runner.run.window)
+                    else:
+                        logits = model(
+                            input_ids=tokens[None, :take], past_key_values=runner.cache, use_cache=True
+                        ).logits[0]
+                        runner.kv_bytes = max(runner.kv_bytes, runner.cache.kv_bytes())
+                    runner.seconds += time.perf_counter() - began
+                    logp = logits.float().log_softmax(-1)
+                    nll = -logp.gather(-1, targets[:take, None])[:, 0]
+                    runner.nll.extend(nll.tolist())
+                    if handles:
+                        handles[runner.run.label].write("".join(f"{v:.6f}\n" for v in nll.tolist()))
+                    if runner.run.label == reference:
+                        reference_logp = logp
+                    elif reference_logp is not None:
+                        m = min(take, reference_logp.shape[0])
+                        ref = reference_logp[:m]
+                        runner.kl_sum += (ref.exp() * (ref - logp[:m])).sum().item()
+                        runner.top1 += (ref.argmax(-1) == logp[:m].argmax(-1)).sum().item()
+                        runner.compared += m
+                done += n
+                bar.update(task, completed=done)
+                if checkpoint is not None and done >= next_checkpoint and done < total:
+                    save_checkpoint()
+                    next_checkpoint = done + checkpoint_every
+    finally:
+        for handle in handles.values():
+            handle.close()
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
+
+    results = {}
+    for runner in runners:
+        nll = runner.nll
+        windows = [math.exp(sum(nll[i : i + window]) / len(nll[i : i + window])) for i in range(0, len(nll), window)]
+        results[runner.run.label] = StreamResult(
+            label=runner.run.label,
+            policy=runner.describe(),
+            position=None if runner.recompute else runner.cache.position,
+            chunk=chunk,
+            tokens=len(nll),
+            ppl=math.exp(sum(nll) / len(nll)) if nll else float("nan"),
+            window=window,
+            window_ppl=windows,
+            kv_mb=runner.kv_bytes / 2**20,
+            tokens_per_s=len(nll) / runner.seconds if runner.seconds else float("nan"),
+            kl=runner.kl_sum / runner.compared if runner.compared else None,
+            top1=runner.top1 / runner.compared if runner.compared else None,
+            fidelity_tokens=runner.compared,
+            note=runner.run.note,
+            nll_file=files[runner.run.label].name if files else None,
+            nll=nll,
+        )
+    return {label: results[label] for label in labels}
+
+
+def stream_ppl(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    policy: str | Policy = "streaming",
+    position: str | None = None,
+    chunk: int = 1,
+    out_dir: str | Path | None = None,
+    window: int = 1024,
+    progress: bool = True,
+    **budget: int | float,
+) -> StreamResult:
+    """Streaming perplexity of one policy over `input_ids` (1-D), fed `chunk` tokens at a time."""
+    run = PolicyRun(
+        label=policy if isinstance(policy, str) else policy.name, policy=policy, position=position, budget=budget
+    )
+    return stream_compare(model, input_ids, [run], chunk=chunk, out_dir=out_dir, window=window, progress=progress)[
+        run.label
+    ]
+
+
+def recompute_nll(model: torch.nn.Module, input_ids: torch.Tensor, window: int, chunk: int = 64) -> list[float]:
+    """Per-token NLL of the sliding window with re-computation baseline (each token re-encodes its window)."""
+    run = PolicyRun(label=RECOMPUTE, policy=RECOMPUTE, window=window)
+    return stream_compare(model, input_ids, [run], chunk=chunk, progress=False)[RECOMPUTE].nll

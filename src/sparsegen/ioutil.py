@@ -1,0 +1,35 @@
+"""Atomic writes: a finished file is either wholly there or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _atomic(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    _atomic(Path(path), lambda h: h.write(json.dumps(data, indent=2).encode()))
+
+
+def write_text(path: Path, text: str) -> None:
+    _atomic(Path(path), lambda h: h.write(text.encode()))
+
+
+def save_torch(path: Path, obj: Any) -> None:
+    _atomic(Path(path), lambda h: torch.save(obj, h))

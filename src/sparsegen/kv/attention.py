@@ -1,0 +1,104 @@
+"""The attention functions a policy cache runs under: sdpa or eager, then eviction.
+
+transformers calls `cache.update()` right before the attention function of the same layer. A
+policy layer marks itself as in flight in `update()`; the registered attention function computes
+the attention as usual, hands the layer the attention its keys received (only for policies that
+score tokens, computed from the same queries and keys) and lets it evict down to its budget.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from sparsegen.errors import SparsegenError
+
+PREFIX = "sparsegen_"
+BASE_IMPLEMENTATIONS = {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (eager_attention_forward, eager_mask)}
+
+_state = threading.local()
+
+
+def set_in_flight(layer) -> None:
+    if getattr(_state, "layer", None) is not None:
+        raise SparsegenError(
+            "a policy cache layer was updated but its attention never ran through sparsegen's attention "
+            "function: the model's attn_implementation changed after make_cache(); call make_cache() again"
+        )
+    _state.layer = layer
+
+
+def take_in_flight():
+    layer = getattr(_state, "layer", None)
+    _state.layer = None
+    return layer
+
+
+def clear_in_flight() -> None:
+    _state.layer = None
+
+
+def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 24):
+    """Attention probability each key received, summed over new queries and each GQA group.
+
+    query [b, hq, q, d] are the newest q tokens, key [b, hkv, s, d] the held keys followed by
+    those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
+    long prefill never materialises the whole q x s matrix.
+    """
+    b, hq, q, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    grouped = query.view(b, hkv, hq // hkv, q, d)
+    total = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
+    step = max(1, max_elements // max(1, b * hq * s))
+    key_index = torch.arange(s, device=query.device)
+    for start in range(0, q, step):
+        stop = min(q, start + step)
+        logits = torch.einsum("bhgqd,bhsd->bhgqs", grouped[:, :, :, start:stop], key).float() * scaling
+        last_visible = s - q + torch.arange(start, stop, device=query.device)
+        logits.masked_fill_(key_index > last_visible[:, None], float("-inf"))
+        total += logits.softmax(-1).sum(dim=(2, 3))
+    return total
+
+
+def _make_attention(base):
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer = take_in_flight()
+        out, weights = base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        if layer is not None:
+            if layer.check_padding:
+                layer.refuse_padding(attention_mask, query.shape[-2])
+            received = None
+            if layer.policy.needs_scores:
+                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+                if weights is not None:
+                    b, hkv = key.shape[:2]
+                    received = weights.float().view(b, hkv, -1, *weights.shape[-2:]).sum(dim=(2, 3))
+                else:
+                    received = attention_received(query, key, scale)
+            layer.after_attention(received)
+        return out, weights
+
+    return attention
+
+
+for _name, (_forward, _mask) in BASE_IMPLEMENTATIONS.items():
+    AttentionInterface.register(PREFIX + _name, _make_attention(_forward))
+    AttentionMaskInterface.register(PREFIX + _name, _mask)
+
+
+def use_policy_attention(model: torch.nn.Module) -> None:
+    """Switch `model` to the sparsegen wrapper of its attention implementation (sdpa or eager)."""
+    current = model.config._attn_implementation
+    if current.startswith(PREFIX):
+        return
+    if current not in BASE_IMPLEMENTATIONS:
+        raise SparsegenError(
+            f"attention implementation {current!r} is not supported by KV policies; load the model with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+    model.set_attn_implementation(PREFIX + current)

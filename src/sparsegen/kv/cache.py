@@ -1,0 +1,310 @@
+"""The cache layer that applies a policy, and the transformers `Cache` built from such layers.
+
+Each layer preallocates its buffers at the budget plus one slot. While decoding, the new token is
+written into the slot freed by the last eviction (no copying of the cache), attention runs over
+the budget plus the token in flight, and the lowest-priority slot becomes the next free slot.
+Slot order does not matter to attention once every slot carries its original position.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import attention
+from sparsegen.kv.base import Policy, Sizes
+from sparsegen.kv.rope import KeyRotation
+
+
+def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """buffer [b, h, n, ...] gathered along dim 2 by index [b, h, m]."""
+    if buffer.dim() == 4:
+        index = index.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])
+    return buffer.gather(2, index)
+
+
+class PolicyLayer(CacheLayerMixin):
+    """One attention layer's KV cache under a policy.
+
+    `cumulative_length` is the logical length (tokens seen, what `generate()` builds positions
+    from); `size` is the number of tokens physically held. `hole` [b, h, 1], when set, is the
+    slot in [0, size] evicted last and free for the next token.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys")
+
+    def __init__(self, policy: Policy, rotation: KeyRotation | None = None) -> None:
+        super().__init__()
+        self.policy = policy
+        self.rotation = rotation
+        self.cumulative_length = 0
+        self.size = 0
+        self.hole: torch.Tensor | None = None
+        self.sizes: Sizes | None = None
+        self.positions: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.sink_keys: torch.Tensor | None = None
+        self.check_padding = True
+
+    # -- transformers' layer interface -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, _ = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_empty(b, h, 0, key_states.shape[-1])
+        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+        self.scores = torch.empty(b, h, 0, dtype=torch.float32, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.sizes = self.policy.sizes(n)
+        new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
+        new_positions = new_positions.expand(*key_states.shape[:2], n)
+        if self.hole is not None and n == 1:
+            self._fill_hole(key_states, value_states, new_positions)
+        else:
+            if self.hole is not None:
+                self._close_hole()
+            self._append(key_states, value_states, new_positions)
+        self.cumulative_length += n
+        attention.set_in_flight(self)
+        return self._keys_for_attention(), self.values[:, :, : self.size]
+
+    def _keys_for_attention(self) -> torch.Tensor:
+        keys = self.keys[:, :, : self.size]
+        if self.rotation is None or self.cumulative_length == self.size:
+            return keys
+        if self.sizes.heavy:
+            return self.rotation.roll(keys, self.positions[:, :, : self.size], self.cumulative_length)
+        # Without heavy hitters the held tokens are the sinks plus a contiguous run of the newest:
+        # only the sinks move, all by the same delta. Sinks keep slots [0, sinks) (never evicted,
+        # compaction keeps slot order), so they are rotated in place from a pristine copy.
+        sinks = min(self.sizes.sinks, self.size)
+        if sinks:
+            if self.sink_keys is None:
+                self.sink_keys = keys[:, :, :sinks].clone()
+            delta = torch.tensor(self.cumulative_length - self.size, device=self.device)
+            keys[:, :, :sinks] = self.rotation.rotate(self.sink_keys, delta)
+        return keys
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Every held token is in the past of every new query: a causal mask over
+        # (held + new) with this offset is exact whatever the held tokens are.
+        return self.size + query_length, self.cumulative_length - self.size
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.positions = self.scores = self.hole = self.sink_keys = None
+        self.is_initialized = False
+        self.cumulative_length = self.size = 0
+        self.sizes = None
+        self.check_padding = True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            for name in self._BATCHED:
+                tensor = getattr(self, name)
+                if tensor is not None:
+                    setattr(self, name, tensor.repeat_interleave(repeats, dim=0))
+
+    def _select_batch(self, index: torch.Tensor) -> None:
+        if self.is_initialized:
+            for name in self._BATCHED:
+                tensor = getattr(self, name)
+                if tensor is not None:
+                    setattr(self, name, tensor.index_select(0, index.to(tensor.device)))
+
+    # -- policy mechanics -------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def _fill_hole(self, key_states, value_states, new_positions) -> None:
+        index = self.hole
+        self.keys.scatter_(2, index.unsqueeze(-1).expand_as(key_states), key_states)
+        self.values.scatter_(2, index.unsqueeze(-1).expand_as(value_states), value_states)
+        self.positions.scatter_(2, index, new_positions)
+        self.scores.scatter_(2, index, 0.0)
+        self.hole = None
+        self.size += 1
+
+    def _close_hole(self) -> None:
+        """Compact [0, size] minus the hole into [0, size)."""
+        index = torch.arange(self.size, device=self.device).expand(*self.hole.shape[:2], -1)
+        index = index + (index >= self.hole).long()
+        self._keep(index, self.capacity)
+        self.hole = None
+
+    def _keep(self, index: torch.Tensor, capacity: int) -> None:
+        """Keep the slots `index` [b, h, m], compacted into new buffers of `capacity` slots."""
+        kept = index.shape[-1]
+        for name in ("keys", "values", "positions", "scores"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+            new[:, :, :kept] = _gather(old, index)
+            setattr(self, name, new)
+        self.size = kept
+
+    def _append(self, key_states, value_states, new_positions) -> None:
+        n, size = key_states.shape[-2], self.size
+        if size + n > self.capacity:
+            limit = self.sizes.budget + 1 if self.sizes is not None else float("inf")
+            grown = int(max(size + n, min(limit, max(2 * self.capacity, 64))))
+            self._keep(torch.arange(size, device=self.device).expand(*key_states.shape[:2], -1), grown)
+        self.keys[:, :, size : size + n] = key_states
+        self.values[:, :, size : size + n] = value_states
+        self.positions[:, :, size : size + n] = new_positions
+        self.scores[:, :, size : size + n] = 0.0
+        self.size = size + n
+
+    def after_attention(self, received: torch.Tensor | None) -> None:
+        """Account the attention just computed, then evict down to the budget."""
+        if received is not None:
+            self.scores[:, :, : self.size] += received
+        if self.sizes is None or self.size <= self.sizes.budget:
+            return
+        held = slice(0, self.size)
+        scores = self.scores[:, :, held] if self.policy.needs_scores else None
+        priority = self.policy.priority(self.positions[:, :, held], scores, self.cumulative_length, self.sizes)
+        if self.size - self.sizes.budget == 1:
+            self.hole = priority.argmin(-1, keepdim=True)
+            self.size -= 1
+        else:
+            keep = priority.topk(self.sizes.budget, dim=-1).indices.sort(-1).values
+            self._keep(keep, self.sizes.budget + 1)
+
+    def refuse_padding(self, mask: torch.Tensor | None, query_length: int) -> None:
+        """A key column masked for every query is padding, which a policy cache cannot evict right."""
+        self.check_padding = False
+        if mask is None or mask.dim() != 4:
+            return
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        if not visible.any(dim=-2).all():
+            raise SparsegenError(
+                "padded batches are not supported by KV policies: batch prompts of equal length, "
+                "or run them one at a time"
+            )
+
+    def held_positions(self) -> torch.Tensor:
+        """Original positions of the tokens held now, sorted, [b, h, size]."""
+        positions = self.positions[:, :, : self.size + (self.hole is not None)]
+        if self.hole is not None:
+            positions = positions.scatter(2, self.hole, -1)
+            positions = positions.sort(-1).values[:, :, 1:]
+        return positions.sort(-1).values
+
+
+class PolicyCache(Cache):
+    """A transformers `Cache` whose full-attention layers apply a KV policy."""
+
+    def __init__(self, layers: list[CacheLayerMixin], policy: Policy, position: str) -> None:
+        super().__init__(layers=layers)
+        self.policy = policy
+        self.position = position
+
+    def physical_length(self) -> int | list[int]:
+        """Tokens actually held: one int if all layers agree, else one per layer."""
+        lengths = [
+            layer.size if isinstance(layer, PolicyLayer) else (layer.keys.shape[-2] if layer.is_initialized else 0)
+            for layer in self.layers
+        ]
+        return lengths[0] if len(set(lengths)) == 1 else lengths
+
+    def policy_layers(self) -> list[PolicyLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PolicyLayer)]
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values physically held (all layers)."""
+        total = 0
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            held = layer.size if isinstance(layer, PolicyLayer) else layer.keys.shape[-2]
+            for tensor in (layer.keys, layer.values):
+                total += tensor[:, :, :held].numel() * tensor.element_size()
+        return total
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise SparsegenError("a policy cache cannot be cropped (assisted/speculative decoding is not supported)")
+
+    def __repr__(self) -> str:
+        return f"PolicyCache({self.policy.describe()}, position={self.position}, layers={len(self.layers)})"
+
+
+POSITIONS = ("original", "rolling")
+
+
+def _layer_types(config) -> list[str]:
+    text_config = config.get_text_config(decoder=True)
+    types = getattr(text_config, "layer_types", None)
+    return list(types) if types else ["full_attention"] * text_config.num_hidden_layers
+
+
+def make_cache(
+    model: torch.nn.Module,
+    policy: str | Policy = "streaming",
+    position: str | None = None,
+    budget: int | None = None,
+    **parts: int | float,
+) -> PolicyCache:
+    """A `Cache` for `model.generate(..., past_key_values=cache)` that applies a KV policy.
+
+    `policy` is a registered name (`full`, `window`, `streaming`, `h2o`, `streaming_h2o`) with its
+    budget as `budget=` (a total, split as the policy needs) or as parts (`sinks=`, `heavy=`,
+    `recent=`; ints are counts, floats < 1 ratios of the prompt). `position` is "original" (keys
+    keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
+    the default is the policy's. Full-attention layers get the policy; sliding-window layers (Gemma
+    3) keep their own window. The model is switched to sparsegen's wrapper of its attention
+    implementation (same numbers), which is how eviction follows each attention call.
+    """
+    from sparsegen.kv.base import make_policy
+    from sparsegen.kv.rope import find_inv_freq
+
+    policy = make_policy(policy, budget=budget, **parts)
+    position = position or policy.default_position
+    if position not in POSITIONS:
+        raise SparsegenError(f"position must be one of {POSITIONS}, got {position!r}")
+    config = model.config.get_text_config(decoder=True)
+    inv_freq = find_inv_freq(model)
+    if inv_freq is None:
+        raise SparsegenError(
+            f"{type(model).__name__} has no rotary position embedding; KV policies support rotary decoders "
+            "(Llama, Qwen2, Mistral, Gemma 3, ...)"
+        )
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if position == "rolling" and rope_type in ("dynamic", "longrope"):
+        raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
+    rotation = KeyRotation(inv_freq) if position == "rolling" else None
+    layers: list[CacheLayerMixin] = []
+    for layer_type in _layer_types(model.config):
+        if layer_type == "full_attention":
+            layers.append(PolicyLayer(policy, rotation))
+        elif layer_type == "sliding_attention":
+            from transformers.cache_utils import DynamicSlidingWindowLayer
+
+            layers.append(DynamicSlidingWindowLayer(sliding_window=config.sliding_window))
+        else:
+            raise SparsegenError(f"layer type {layer_type!r} is not supported by KV policies")
+    if not any(isinstance(layer, PolicyLayer) for layer in layers):
+        raise SparsegenError("the model has no full-attention layer for a KV policy to apply to")
+    attention.use_policy_attention(model)
+    attention.clear_in_flight()
+    return PolicyCache(layers, policy, position)

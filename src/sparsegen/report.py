@@ -1,0 +1,79 @@
+"""Tables and plots of results."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) < 1e5 else f"{value:.3g}"
+    return str(value)
+
+
+def table(rows: Sequence[dict], columns: Sequence[tuple[str, str]], title: str = "") -> Table:
+    """A rich table of `rows` (dicts) with (key, header) `columns`."""
+    out = Table(title=title or None)
+    for _, header in columns:
+        out.add_column(header, justify="right" if header != columns[0][1] else "left")
+    for row in rows:
+        out.add_row(*(_fmt(row.get(key)) for key, _ in columns))
+    return out
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(row.get(k)) for k, _ in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_lines(
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    path: str | Path,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    vline: float | None = None,
+    vline_label: str = "",
+    logy: bool = False,
+) -> None:
+    """Write a PNG with one line per series: {label: (x, y)}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, (x, y) in series.items():
+        ax.plot(x, y, label=label, linewidth=1.2)
+    if vline is not None:
+        ax.axvline(vline, color="gray", linestyle="--", linewidth=1, label=vline_label or None)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def running_mean(values: Sequence[float], width: int) -> tuple[list[int], list[float]]:
+    """Mean of consecutive non-overlapping blocks of `width`, at each block's centre."""
+    xs, ys = [], []
+    for start in range(0, len(values) - width + 1, width):
+        block = values[start : start + width]
+        xs.append(start + width // 2)
+        ys.append(sum(block) / len(block))
+    return xs, ys
