@@ -18,8 +18,18 @@ from transformers import (
 )
 
 VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
 
 
 def _llama():
@@ -35,9 +45,12 @@ def _mistral():
 
 
 def _gemma3():
-    config = Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=6,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                           "sliding_attention"])
+    config = Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )
     return Gemma3ForCausalLM(config)
 
 
@@ -68,8 +81,22 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
-                                   unk_token="w3")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="w3"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4 {% endif %}"
+    )
+    return tokenizer
+
+
+@pytest.fixture
+def tiny_text(tmp_path):
+    """A text file of tiny-vocabulary words, 400 tokens long."""
+    words = [f"w{3 + (i * 7 + i // 5) % 93}" for i in range(400)]
+    path = tmp_path / "tiny.txt"
+    path.write_text("\n".join(" ".join(words[i : i + 10]) for i in range(0, 400, 10)))
+    return path
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ import math
 import torch
 
 
-def reference_priority(policy: str, pos: int, score: float, length: int, sinks: int, recent: int,
-                       normalize: bool) -> float:
+def reference_priority(
+    policy: str, pos: int, score: float, length: int, sinks: int, recent: int, normalize: bool
+) -> float:
     if policy in ("streaming", "streaming_h2o") and pos < sinks:
         return math.inf
     if policy == "window" or policy == "streaming":
@@ -25,8 +26,9 @@ class ReferenceCache:
     query over the kept keys at or before its position, summed over the query heads of the group.
     """
 
-    def __init__(self, policy: str, sinks: int, heavy: int, recent: int, batch: int, kv_heads: int,
-                 normalize: bool = False) -> None:
+    def __init__(
+        self, policy: str, sinks: int, heavy: int, recent: int, batch: int, kv_heads: int, normalize: bool = False
+    ) -> None:
         self.policy, self.sinks, self.heavy, self.recent = policy, sinks, heavy, recent
         self.budget = sinks + heavy + recent
         self.normalize = normalize
@@ -58,7 +60,11 @@ class ReferenceCache:
                         for k, w in zip(visible, weights, strict=True):
                             scores[k] += w / total
                 while len(kept) > self.budget:
-                    victim = min(kept, key=lambda k: reference_priority(
-                        self.policy, k, scores[k], self.length, self.sinks, self.recent, self.normalize))
+                    victim = min(
+                        kept,
+                        key=lambda k: reference_priority(
+                            self.policy, k, scores[k], self.length, self.sinks, self.recent, self.normalize
+                        ),
+                    )
                     kept.remove(victim)
                     del scores[victim]

@@ -7,7 +7,9 @@ from sparsegen.errors import SparsegenError
 
 
 def test_strip_gutenberg_removes_header_and_footer():
-    text = "licence blah\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nBody line.\n*** END OF THIS PROJECT ***\nmore"
+    text = (
+        "licence blah\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nBody line.\n*** END OF THIS PROJECT ***\nmore"
+    )
     assert data.strip_gutenberg(text) == "Body line."
     assert data.strip_gutenberg("  plain text \n") == "plain text"
 

@@ -23,8 +23,11 @@ def ids():
 def test_full_and_large_budgets_reproduce_dense_nll(arch, ids):
     model = build_tiny(arch)
     dense = _dense_nll(model, ids)
-    runs = [PolicyRun("full", "full"), PolicyRun("streaming", "streaming", budget={"sinks": 4, "recent": 500}),
-            PolicyRun("h2o", "h2o", budget={"heavy": 200, "recent": 200})]
+    runs = [
+        PolicyRun("full", "full"),
+        PolicyRun("streaming", "streaming", budget={"sinks": 4, "recent": 500}),
+        PolicyRun("h2o", "h2o", budget={"heavy": 200, "recent": 200}),
+    ]
     results = stream_compare(model, ids, runs, chunk=7, reference="full", progress=False)
     for result in results.values():
         torch.testing.assert_close(torch.tensor(result.nll), dense, rtol=1e-4, atol=1e-4)
@@ -50,7 +53,7 @@ def test_recompute_baseline_matches_manual_windows(ids):
     manual = []
     with torch.no_grad():
         for t in range(len(ids) - 1):
-            context = ids[max(0, t + 1 - window): t + 1]
+            context = ids[max(0, t + 1 - window) : t + 1]
             logp = model(context[None]).logits[0, -1].float().log_softmax(-1)
             manual.append(-logp[ids[t + 1]].item())
     torch.testing.assert_close(torch.tensor(nll), torch.tensor(manual), rtol=1e-4, atol=1e-4)
@@ -68,10 +71,11 @@ def test_max_tokens_stops_a_run(ids):
 
 def test_interrupted_run_resumes_with_identical_nll(ids, tmp_path, monkeypatch):
     model = build_tiny("llama")
-    runs = [PolicyRun("h2o", "h2o", budget={"heavy": 6, "recent": 6}),
-            PolicyRun("streaming", "streaming", budget={"sinks": 2, "recent": 10})]
-    clean = stream_compare(model, ids, runs, chunk=5, out_dir=tmp_path / "clean", checkpoint_every=20,
-                           progress=False)
+    runs = [
+        PolicyRun("h2o", "h2o", budget={"heavy": 6, "recent": 6}),
+        PolicyRun("streaming", "streaming", budget={"sinks": 2, "recent": 10}),
+    ]
+    clean = stream_compare(model, ids, runs, chunk=5, out_dir=tmp_path / "clean", checkpoint_every=20, progress=False)
     calls = {"n": 0}
     original = model.forward
 
@@ -86,8 +90,7 @@ def test_interrupted_run_resumes_with_identical_nll(ids, tmp_path, monkeypatch):
         stream_compare(model, ids, runs, chunk=5, out_dir=tmp_path / "run", checkpoint_every=20, progress=False)
     assert (tmp_path / "run" / "stream_state.pt").exists()
     monkeypatch.setattr(model, "forward", original)
-    resumed = stream_compare(model, ids, runs, chunk=5, out_dir=tmp_path / "run", checkpoint_every=20,
-                             progress=False)
+    resumed = stream_compare(model, ids, runs, chunk=5, out_dir=tmp_path / "run", checkpoint_every=20, progress=False)
     for label in ("h2o", "streaming"):
         assert resumed[label].nll == pytest.approx(clean[label].nll, abs=2e-6)
         on_disk = [float(x) for x in (tmp_path / "run" / f"nll_{label}.txt").read_text().split()]

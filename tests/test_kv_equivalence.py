@@ -17,8 +17,15 @@ LARGE = {
 
 
 def _generate(model, ids, cache, **kw):
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=12, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0, **kw)
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=12,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kw,
+    )
     return out.sequences, torch.stack(out.logits, 1)
 
 
@@ -63,8 +70,7 @@ def test_stream_generation_equals_generate():
     model = build_tiny("qwen2")
     ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(4))
     ref = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 11:]
-    steps = [s for s in stream(model, ids, "streaming", chunk=4, max_new_tokens=10, sinks=2, recent=100)
-             if s.generated]
+    steps = [s for s in stream(model, ids, "streaming", chunk=4, max_new_tokens=10, sinks=2, recent=100) if s.generated]
     assert torch.cat([s.tokens[0] for s in steps]).tolist() == ref.tolist()
 
 
@@ -77,9 +83,11 @@ def test_cache_reused_across_chat_turns_equals_dense():
     out_p = model.generate(turn1, past_key_values=policy, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(out_d, out_p)
     turn2 = torch.randint(3, 96, (1, 6), generator=gen)
-    out_d = model.generate(torch.cat([out_d, turn2], 1), past_key_values=dense, max_new_tokens=5, do_sample=False,
-                           pad_token_id=0)
-    out_p = model.generate(torch.cat([out_p, turn2], 1), past_key_values=policy, max_new_tokens=5, do_sample=False,
-                           pad_token_id=0)
+    out_d = model.generate(
+        torch.cat([out_d, turn2], 1), past_key_values=dense, max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    out_p = model.generate(
+        torch.cat([out_p, turn2], 1), past_key_values=policy, max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
     assert torch.equal(out_d, out_p)
     assert policy.physical_length() == dense.get_seq_length()

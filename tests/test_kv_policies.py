@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyLayer, make_cache, make_policy, split_budget
@@ -31,9 +31,9 @@ def _drive(policy_name, parts, chunks, normalize=False, seed=0):
     ref = ReferenceCache(policy_name, sizes["sinks"], sizes["heavy"], sizes["recent"], B, HKV, normalize)
     start = 0
     for n in chunks:
-        held_keys, _ = layer.update(keys[:, :, start:start + n], values[:, :, start:start + n])
+        held_keys, _ = layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
         take_in_flight()
-        q = queries[:, :, start:start + n]
+        q = queries[:, :, start : start + n]
         layer.after_attention(attention_received(q, held_keys, D**-0.5) if policy.needs_scores else None)
         ref.step(keys, q)
         start += n
@@ -90,9 +90,12 @@ def test_normalized_h2o_matches_brute_force():
     seed=st.integers(0, 10_000),
 )
 def test_property_kept_sets_and_bounds(policy, sinks, heavy, recent, chunks, seed):
-    parts = {"window": {"recent": recent}, "streaming": {"sinks": sinks, "recent": recent},
-             "h2o": {"heavy": heavy, "recent": recent},
-             "streaming_h2o": {"sinks": sinks, "heavy": heavy, "recent": recent}}[policy]
+    parts = {
+        "window": {"recent": recent},
+        "streaming": {"sinks": sinks, "recent": recent},
+        "h2o": {"heavy": heavy, "recent": recent},
+        "streaming_h2o": {"sinks": sinks, "heavy": heavy, "recent": recent},
+    }[policy]
     _drive(policy, parts, chunks, seed=seed)
 
 
@@ -106,11 +109,13 @@ def test_rolling_keys_equal_rope_recomputed_at_cache_positions():
     positions = torch.arange(total)[None]
     cos, sin = rotary(raw_keys, positions)
     _, rotated = apply_rotary_pos_emb(raw_keys, raw_keys, cos, sin)
-    for policy, parts in (("streaming", {"sinks": sinks, "recent": recent}),
-                          ("streaming_h2o", {"sinks": 2, "heavy": 3, "recent": 4})):
+    for policy, parts in (
+        ("streaming", {"sinks": sinks, "recent": recent}),
+        ("streaming_h2o", {"sinks": 2, "heavy": 3, "recent": 4}),
+    ):
         layer = PolicyLayer(make_policy(policy, **parts), KeyRotation(rotary.inv_freq))
         for t in range(total):
-            held_keys, _ = layer.update(rotated[:, :, t:t + 1], rotated[:, :, t:t + 1])
+            held_keys, _ = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1])
             take_in_flight()
             # Positions within the cache: kept tokens in text order at 0..size-1, the query at size - 1 + 1.
             slot_positions = layer.positions[:, :, : layer.size]
@@ -121,12 +126,12 @@ def test_rolling_keys_equal_rope_recomputed_at_cache_positions():
             query_scratch, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos, q_sin)
             k_cos, k_sin = rotary(raw_keys, torch.arange(size)[None])
             for h in range(2):
-                kept_raw = raw_keys[:, h:h + 1, slot_positions[0, h][order[0, h]]]
+                kept_raw = raw_keys[:, h : h + 1, slot_positions[0, h][order[0, h]]]
                 _, scratch = apply_rotary_pos_emb(kept_raw, kept_raw, k_cos, k_sin)
-                expected = (query_scratch[:, h:h + 1] @ scratch.transpose(-1, -2))[0, 0, 0]
+                expected = (query_scratch[:, h : h + 1] @ scratch.transpose(-1, -2))[0, 0, 0]
                 q_cos2, q_sin2 = rotary(query_raw, torch.tensor([[t]]))
                 query_here, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos2, q_sin2)
-                ours = (query_here[:, h:h + 1] @ held_keys[:, h:h + 1, order[0, h]].transpose(-1, -2))[0, 0, 0]
+                ours = (query_here[:, h : h + 1] @ held_keys[:, h : h + 1, order[0, h]].transpose(-1, -2))[0, 0, 0]
                 torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
             received = torch.rand(1, 2, size, generator=gen)
             layer.after_attention(received if layer.policy.needs_scores else None)
@@ -141,19 +146,29 @@ class _RecordLength(LogitsProcessor):
         return scores
 
 
-@pytest.mark.parametrize("policy,parts,budget", [
-    ("window", {"recent": 16}, 16),
-    ("streaming", {"sinks": 4, "recent": 12}, 16),
-    ("h2o", {"heavy": 8, "recent": 8}, 16),
-    ("streaming_h2o", {"sinks": 2, "heavy": 6, "recent": 8}, 16),
-])
+@pytest.mark.parametrize(
+    "policy,parts,budget",
+    [
+        ("window", {"recent": 16}, 16),
+        ("streaming", {"sinks": 4, "recent": 12}, 16),
+        ("h2o", {"heavy": 8, "recent": 8}, 16),
+        ("streaming_h2o", {"sinks": 2, "heavy": 6, "recent": 8}, 16),
+    ],
+)
 def test_generate_keeps_physical_length_within_budget(arch, policy, parts, budget):
     model = build_tiny(arch)
     ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(0))
     cache = make_cache(model, policy, **parts)
     recorder = _RecordLength(cache)
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=40,
-                   do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([recorder]))
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=40,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=LogitsProcessorList([recorder]),
+    )
     lengths = [n if isinstance(n, int) else max(n) for n in recorder.lengths]
     assert len(lengths) == 40 and max(lengths) <= budget
     for layer in cache.policy_layers():
@@ -168,11 +183,22 @@ def test_generate_keeps_physical_length_within_budget(arch, policy, parts, budge
 def test_batch_rows_match_single_row_runs():
     model = build_tiny("mistral")
     ids = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(9))
-    batch = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False,
-                           pad_token_id=0, past_key_values=make_cache(model, "h2o", heavy=5, recent=5))
+    batch = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=15,
+        do_sample=False,
+        pad_token_id=0,
+        past_key_values=make_cache(model, "h2o", heavy=5, recent=5),
+    )
     for row in range(3):
-        single = model.generate(ids[row:row + 1], max_new_tokens=15, do_sample=False, pad_token_id=0,
-                                past_key_values=make_cache(model, "h2o", heavy=5, recent=5))
+        single = model.generate(
+            ids[row : row + 1],
+            max_new_tokens=15,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=make_cache(model, "h2o", heavy=5, recent=5),
+        )
         assert torch.equal(batch[row], single[0])
 
 
@@ -182,8 +208,13 @@ def test_padded_batch_is_refused():
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with pytest.raises(SparsegenError, match="padded batches"):
-        model.generate(ids, attention_mask=mask, past_key_values=make_cache(model, "streaming", sinks=2, recent=4),
-                       max_new_tokens=3, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=make_cache(model, "streaming", sinks=2, recent=4),
+            max_new_tokens=3,
+            pad_token_id=0,
+        )
 
 
 def test_model_without_rotary_positions_is_refused():
@@ -199,18 +230,21 @@ def test_unsupported_attention_implementation_is_refused():
         make_cache(model, "window", recent=8)
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: make_policy("window", recent=-1), "must be >= 0"),
-    (lambda: make_policy("h2o", heavy=0, recent=0), "heavy \\+ recent > 0"),
-    (lambda: make_policy("streaming_h2o", sinks=4, heavy=0, recent=0), "heavy \\+ recent > 0"),
-    (lambda: make_policy("streaming", sinks=4, recent=0), "recent > 0"),
-    (lambda: split_budget("streaming", 4, sinks=4), "sinks \\(4\\) must be smaller than the budget \\(4\\)"),
-    (lambda: split_budget("streaming_h2o", 3, sinks=8), "must be smaller than the budget"),
-    (lambda: make_policy("h2o", heavy=1.5, recent=0.1), "ratio of the prompt and must be < 1"),
-    (lambda: make_policy("nope"), "unknown KV policy 'nope'"),
-    (lambda: make_policy("window", budget=0), "budget must be > 0"),
-    (lambda: make_policy("window", recent="8"), "must be a number"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: make_policy("window", recent=-1), "must be >= 0"),
+        (lambda: make_policy("h2o", heavy=0, recent=0), "heavy \\+ recent > 0"),
+        (lambda: make_policy("streaming_h2o", sinks=4, heavy=0, recent=0), "heavy \\+ recent > 0"),
+        (lambda: make_policy("streaming", sinks=4, recent=0), "recent > 0"),
+        (lambda: split_budget("streaming", 4, sinks=4), "sinks \\(4\\) must be smaller than the budget \\(4\\)"),
+        (lambda: split_budget("streaming_h2o", 3, sinks=8), "must be smaller than the budget"),
+        (lambda: make_policy("h2o", heavy=1.5, recent=0.1), "ratio of the prompt and must be < 1"),
+        (lambda: make_policy("nope"), "unknown KV policy 'nope'"),
+        (lambda: make_policy("window", budget=0), "budget must be > 0"),
+        (lambda: make_policy("window", recent="8"), "must be a number"),
+    ],
+)
 def test_bad_budgets_are_clear_errors(call, message):
     with pytest.raises(SparsegenError, match=message):
         call()

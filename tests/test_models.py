@@ -86,10 +86,14 @@ def test_interrupted_build_leaves_nothing(monkeypatch, tmp_path):
 def test_real_model_answers_paris_and_reloads_fast(real):
     model, tokenizer = real
     assert model.config.num_hidden_layers == 30
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**encoded, max_new_tokens=20, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, encoded["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, encoded["input_ids"].shape[1] :])
     start = time.perf_counter()
     again, _ = sparsegen.load("smollm2-135m")
     assert time.perf_counter() - start < 5

@@ -15,7 +15,7 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Speed and memory benchmarks, side by side with baselines.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder or hub id.")
@@ -111,7 +111,7 @@ def stream(
     heavy: int | None = HeavyOpt,
     position: str | None = PositionOpt,
     tokens: int = typer.Option(20000, "--tokens", help="Stream length in tokens."),
-    chunk: int = typer.Option(64, "--chunk", help="Tokens fed per step (1 = exact token-by-token)."),
+    chunk: int = typer.Option(256, "--chunk", help="Tokens fed per step (1 = exact token-by-token)."),
     out_dir: Path = typer.Option(Path("results/stream"), "--out"),
 ) -> None:
     """The main job: KV policies on one long stream past the model's window (table, plot, JSON)."""

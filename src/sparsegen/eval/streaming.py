@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import save_torch
@@ -217,18 +217,11 @@ def stream_compare(
             },
         )
 
-    bar = Progress(
-        TextColumn("[bold]streaming"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        TimeRemainingColumn(),
-        disable=not progress,
-        transient=False,
+    bar = tqdm(
+        total=total, initial=done, unit="tok", desc=f"streaming {len(runs)} runs", disable=not progress, mininterval=2.0
     )
     try:
         with bar:
-            task = bar.add_task("stream", total=total, completed=done)
             next_checkpoint = done + checkpoint_every
             while done < total:
                 n = min(chunk, total - done)
@@ -261,7 +254,7 @@ def stream_compare(
                         runner.top1 += (ref.argmax(-1) == logp[:m].argmax(-1)).sum().item()
                         runner.compared += m
                 done += n
-                bar.update(task, completed=done)
+                bar.update(n)
                 if checkpoint is not None and done >= next_checkpoint and done < total:
                     save_checkpoint()
                     next_checkpoint = done + checkpoint_every

@@ -1,0 +1,118 @@
+"""What a pruner is: a rule that turns one Linear layer's dense weight sparse.
+
+A pruner receives the weight and, when it asks for them, statistics of the layer's calibration
+inputs, and returns the weight with the pattern's share of entries set to zero (it may also
+update the remaining entries, as SparseGPT does). One file per pruner; each registers by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparsegen.errors import SparsegenError
+
+PRUNERS: dict[str, type[Pruner]] = {}
+
+
+def register_pruner(cls: type[Pruner]) -> type[Pruner]:
+    PRUNERS[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The shape of sparsity: a ratio of zeros per layer (unstructured), or N zeros in every M inputs."""
+
+    sparsity: float
+    n: int = 0
+    m: int = 0
+
+    @property
+    def is_nm(self) -> bool:
+        return self.m > 0
+
+    def __str__(self) -> str:
+        return f"{self.n}:{self.m}" if self.is_nm else "unstructured"
+
+    @classmethod
+    def parse(cls, sparsity: float, pattern: str | None = None) -> Pattern:
+        """`pattern` is None/"unstructured" (uses `sparsity`) or "N:M" (sparsity becomes N/M)."""
+        if pattern in (None, "", "unstructured"):
+            if not 0 <= sparsity < 1:
+                raise SparsegenError(f"sparsity must be in [0, 1), got {sparsity}")
+            return cls(sparsity)
+        try:
+            n, m = (int(part) for part in pattern.split(":"))
+        except ValueError:
+            raise SparsegenError(f"pattern must be 'unstructured' or 'N:M' like '2:4', got {pattern!r}") from None
+        if not 0 < n < m:
+            raise SparsegenError(f"N:M pattern needs 0 < N < M, got {pattern!r}")
+        return cls(n / m, n, m)
+
+
+@dataclass
+class InputStats:
+    """Calibration statistics of one Linear layer's inputs, accumulated over samples."""
+
+    columns: int
+    need_hessian: bool
+    samples: int = 0
+    sq_norm: torch.Tensor | None = None  # sum over tokens of x_j^2, per input column
+    hessian: torch.Tensor | None = None  # (2 / n) sum x x^T, fp32
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, self.columns).float()
+        tokens = x.shape[0]
+        if self.sq_norm is None:
+            self.sq_norm = torch.zeros(self.columns, device=x.device)
+        self.sq_norm += x.pow(2).sum(0)
+        if self.need_hessian:
+            if self.hessian is None:
+                self.hessian = torch.zeros(self.columns, self.columns, device=x.device)
+            self.hessian *= self.samples / (self.samples + tokens)
+            x = x * (2 / (self.samples + tokens)) ** 0.5
+            self.hessian += x.t() @ x
+        self.samples += tokens
+
+
+class Pruner(ABC):
+    """Base class: set `name`, `needs_calibration`, `needs_hessian`; implement `prune_weight`."""
+
+    name: ClassVar[str]
+    needs_calibration: ClassVar[bool] = True
+    needs_hessian: ClassVar[bool] = False
+
+    @abstractmethod
+    def prune_weight(self, weight: torch.Tensor, pattern: Pattern, stats: InputStats | None) -> torch.Tensor:
+        """Return the pruned weight [out, in] (float32)."""
+
+
+def mask_lowest(score: torch.Tensor, pattern: Pattern, per_row: bool) -> torch.Tensor:
+    """Boolean mask of entries to zero: the lowest scores per row (or per matrix), or N lowest of every M."""
+    rows, cols = score.shape
+    mask = torch.zeros_like(score, dtype=torch.bool)
+    if pattern.is_nm:
+        if cols % pattern.m:
+            raise SparsegenError(f"{cols} input columns are not a multiple of M={pattern.m}")
+        groups = score.reshape(rows, cols // pattern.m, pattern.m)
+        lowest = groups.topk(pattern.n, dim=-1, largest=False).indices
+        return mask.reshape(rows, cols // pattern.m, pattern.m).scatter_(-1, lowest, True).reshape(rows, cols)
+    if per_row:
+        count = int(cols * pattern.sparsity)
+        if count:
+            mask.scatter_(1, score.topk(count, dim=1, largest=False).indices, True)
+        return mask
+    count = int(score.numel() * pattern.sparsity)
+    if count:
+        mask.view(-1)[score.flatten().topk(count, largest=False).indices] = True
+    return mask
+
+
+def make_pruner(method: str) -> Pruner:
+    if method not in PRUNERS:
+        raise SparsegenError(f"unknown pruning method {method!r}; choose one of: {', '.join(sorted(PRUNERS))}")
+    return PRUNERS[method]()

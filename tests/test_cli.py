@@ -1,0 +1,154 @@
+import json
+import sys
+
+import pytest
+
+from sparsegen import cli
+
+
+def run_cli(monkeypatch, capsys, *args, stdin=None):
+    """Run `sparsegen ARGS` in-process; return (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["sparsegen", *map(str, args)])
+    if stdin is not None:
+        import io
+
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_help_lists_the_commands(monkeypatch, capsys):
+    code, out, _ = run_cli(monkeypatch, capsys, "--help")
+    assert code == 0
+    for command in ("generate", "info", "stream", "chat", "bench"):
+        assert command in out
+
+
+def test_info_and_generate_on_a_local_model(monkeypatch, capsys, tiny_folder):
+    code, out, _ = run_cli(monkeypatch, capsys, "info", "--model", tiny_folder)
+    assert code == 0 and "llama" in out and "streaming" in out
+    code, out, _ = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "w5 w6 w7",
+        "--model",
+        tiny_folder,
+        "--max-new-tokens",
+        "6",
+        "--policy",
+        "streaming",
+        "--budget",
+        "6",
+        "--sinks",
+        "2",
+    )
+    assert code == 0 and out.strip().startswith("w")
+
+
+def test_bad_input_is_one_line_not_a_traceback(monkeypatch, capsys, tiny_folder, tmp_path):
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "w5",
+        "--model",
+        tiny_folder,
+        "--policy",
+        "streaming",
+        "--budget",
+        "4",
+        "--sinks",
+        "4",
+    )
+    assert code == 2 and "sinks (4) must be smaller than the budget (4)" in err and "Traceback" not in err
+    code, _, err = run_cli(monkeypatch, capsys, "stream", "--model", tiny_folder, "--text", tmp_path / "none.txt")
+    assert code == 2 and "not found" in err
+
+
+def test_stream_main_job_writes_table_plot_json_and_nll(monkeypatch, capsys, tiny_folder, tiny_text, tmp_path):
+    out_dir = tmp_path / "run"
+    code, out, _ = run_cli(
+        monkeypatch,
+        capsys,
+        "stream",
+        "--model",
+        tiny_folder,
+        "--text",
+        tiny_text,
+        "--tokens",
+        "300",
+        "--chunk",
+        "16",
+        "--budget",
+        "32",
+        "--out",
+        out_dir,
+    )
+    assert code == 0, out
+    results = json.loads((out_dir / "results.json").read_text())
+    assert set(results) == {"full", "window", "streaming", "h2o", "streaming_h2o"}
+    assert results["full"]["tokens"] == 256 and "window" in results["full"]["note"]
+    for label, row in results.items():
+        lines = (out_dir / row["nll_file"]).read_text().split()
+        assert len(lines) == row["tokens"] and row["chunk"] == 16
+        if label != "full":
+            assert row["tokens"] == 299 and row["kl"] is not None and row["kv_mb"] > 0
+    assert (out_dir / "stream_nll.png").stat().st_size > 10_000
+    assert "streaming_h2o" in out and "KL vs full" in out
+
+
+def test_chat_on_stdin_keeps_memory_bounded(monkeypatch, capsys, tiny_folder, tmp_path):
+    transcript = tmp_path / "chat.jsonl"
+    code, out, _ = run_cli(
+        monkeypatch,
+        capsys,
+        "chat",
+        "--model",
+        tiny_folder,
+        "--budget",
+        "12",
+        "--sinks",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--transcript",
+        transcript,
+        stdin="w5 w6 w7 w8\nw9 w10 w11\nw12 w13 w14 w15 w16\n",
+    )
+    assert code == 0
+    turns = [json.loads(line) for line in transcript.read_text().splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert turns[-1]["tokens_seen"] > 12 and all(t["tokens_held"] <= 12 for t in turns)
+
+
+@pytest.mark.slow
+def test_bench_kv_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_text, tmp_path):
+    code, out, _ = run_cli(
+        monkeypatch,
+        capsys,
+        "bench",
+        "kv",
+        "--model",
+        tiny_folder,
+        "--text",
+        tiny_text,
+        "--sizes",
+        "8,16",
+        "--context",
+        "64",
+        "--new-tokens",
+        "4",
+        "--out",
+        tmp_path,
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "bench_kv.json").read_text())
+    assert [r["cache"] for r in data["rows"]] == [8, 16]
+    assert all(r["streaming_ms"] > 0 and r["recompute_rss"] > 0 for r in data["rows"])
+    assert (tmp_path / "bench_kv.png").exists() and "recompute / streaming" in out
