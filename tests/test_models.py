@@ -26,8 +26,10 @@ def test_folder_without_config_is_a_clear_error(tmp_path):
 
 
 def test_uncached_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(SparsegenError, match="not in the local hub cache"):
         sparsegen.load("someone/not-cached-model")
 

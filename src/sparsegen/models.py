@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub.constants
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
@@ -106,7 +106,7 @@ def load(
         with _quiet_loading():
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        offline = huggingface_hub.constants.HF_HUB_OFFLINE
         hint = "it is not in the local hub cache (HF_HUB_OFFLINE=1)" if offline else "the hub is unreachable"
         raise SparsegenError(
             f"could not load model {name_or_path!r}: {hint} or the id is wrong. Use a local folder "
