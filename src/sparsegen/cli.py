@@ -15,6 +15,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Speed and memory benchmarks, side by side with baselines.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(help="Evaluation: windowed perplexity.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
@@ -217,6 +219,65 @@ def bench_kv_command(
     )
     out.print((out_dir / "bench_kv.md").read_text())
     out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")
+
+
+@app.command("prune")
+def prune_command(
+    model: str = ModelOpt,
+    method: str = typer.Option("wanda", "--method", help="magnitude, wanda or sparsegpt."),
+    sparsity: float = typer.Option(0.5, "--sparsity", help="Share of zeros per layer (unstructured)."),
+    pattern: str = typer.Option("unstructured", "--pattern", help="unstructured, or N:M such as 2:4 or 4:8."),
+    owl: bool = typer.Option(False, "--owl", help="OWL: per-layer ratios from outlier activations."),
+    calib_text: str = typer.Option("shakespeare", "--calib-text", help="Embedded text name or a .txt file."),
+    n_samples: int = typer.Option(128, "--n-samples"),
+    seqlen: int = typer.Option(2048, "--seqlen"),
+    seed: int = typer.Option(0, "--seed"),
+    compressed: bool = typer.Option(False, "--compressed", help="Store bitmask-compressed weights (smaller)."),
+    out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
+) -> None:
+    """Prune a model layer by layer and write a checkpoint that transformers loads."""
+    import time
+
+    from sparsegen.data import calibration_samples, load_text
+    from sparsegen.models import load
+    from sparsegen.prune import PRUNERS, prune
+    from sparsegen.prune.checkpoint import save_pruned
+
+    started = time.perf_counter()
+    if method not in PRUNERS:
+        raise SparsegenError(f"unknown pruning method {method!r}; choose one of: {', '.join(sorted(PRUNERS))}")
+    loaded, tokenizer = load(model)
+    calibration = None
+    if PRUNERS[method].needs_calibration or owl:
+        calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
+    report = prune(loaded, method, sparsity, pattern, calibration=calibration, owl=owl)
+    save_pruned(loaded, tokenizer, out_dir, report, compressed=compressed)
+    out.print(
+        f"{method} {report.pattern}: {report.overall:.2%} of decoder Linear weights are zero "
+        f"(pruning {report.seconds:.1f} s, total {time.perf_counter() - started:.1f} s) -> {out_dir}"
+    )
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Window length (stated with every result)."),
+    max_windows: int | None = typer.Option(None, "--max-windows", help="Evaluate only the first N windows."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
+) -> None:
+    """Windowed perplexity: non-overlapping windows of SEQLEN, remainder dropped, exp(mean NLL)."""
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.eval.perplexity import windowed_ppl
+    from sparsegen.ioutil import write_json
+    from sparsegen.models import load
+
+    loaded, tokenizer = load(model)
+    result = windowed_ppl(loaded, tokenize_long(tokenizer, load_text(text)), seqlen, max_windows)
+    summary = {"model": model, "text": text, **result.summary()}
+    out.print(f"perplexity {result.ppl:.3f} ({result.windows} windows x {seqlen} tokens of {text})")
+    if json_out is not None:
+        write_json(json_out, summary)
 
 
 def main() -> None:

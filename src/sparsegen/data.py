@@ -108,3 +108,17 @@ def load_mtbench() -> list[dict]:
     folder = ensure_asset("texts/mtbench", _build_mtbench)
     lines = (folder / "question.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def calibration_samples(
+    tokenizer: PreTrainedTokenizerBase, text: str, n_samples: int = 128, seqlen: int = 2048, seed: int = 0
+) -> torch.Tensor:
+    """`n_samples` windows of `seqlen` tokens at seeded random offsets of `text`: [n_samples, seqlen]."""
+    if n_samples < 1 or seqlen < 1:
+        raise SparsegenError("n_samples and seqlen must be >= 1")
+    ids = tokenize_long(tokenizer, text)
+    if ids.numel() <= seqlen:
+        raise SparsegenError(f"the calibration text has {ids.numel()} tokens; it needs more than seqlen={seqlen}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seqlen, (n_samples,), generator=generator)
+    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])

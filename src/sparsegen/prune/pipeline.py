@@ -1,0 +1,173 @@
+"""The standard layer-by-layer protocol: calibrate each decoder block on the outputs of the pruned
+blocks before it, prune its Linear layers, move on. Memory holds one block's activations."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from sparsegen.errors import SparsegenError
+from sparsegen.prune.base import InputStats, Pattern, make_pruner
+from sparsegen.prune.owl import outlier_ratio, owl_ratios
+
+
+@dataclass
+class PruneReport:
+    """What was done: per-Linear sparsity, timings, and the settings (stored in checkpoints)."""
+
+    method: str
+    pattern: str
+    sparsity: float
+    owl: bool
+    n_samples: int
+    seqlen: int
+    layers: dict[str, float] = field(default_factory=dict)
+    block_sparsity: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def overall(self) -> float:
+        return sum(self.layers.values()) / len(self.layers) if self.layers else 0.0
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder blocks (`model.model.layers` in transformers' decoders)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise SparsegenError(
+            f"{type(model).__name__}: no decoder layers found (expected model.model.layers); "
+            "pruning supports transformers decoder-only language models"
+        )
+    return layers
+
+
+def block_linears(block: nn.Module) -> dict[str, nn.Linear]:
+    return {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+
+
+class _Stop(Exception):
+    pass
+
+
+def _capture(model: nn.Module, layers: nn.ModuleList, samples: torch.Tensor, batch: int):
+    """Inputs of block 0 for every sample batch, and the keyword arguments each block is called with."""
+    inputs: list[torch.Tensor] = []
+    block_kwargs: list[dict] = [{} for _ in layers]
+
+    def first(module, args, kwargs):
+        inputs.append(args[0] if args else kwargs["hidden_states"])
+        raise _Stop
+
+    def record(index):
+        def hook(module, args, kwargs):
+            if not block_kwargs[index]:
+                block_kwargs[index] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        model(samples[:batch], use_cache=False)  # one full pass records every block's arguments
+        for handle in handles:
+            handle.remove()
+        handle = layers[0].register_forward_pre_hook(first, with_kwargs=True)
+        try:
+            for start in range(0, samples.shape[0], batch):
+                with contextlib.suppress(_Stop):
+                    model(samples[start : start + batch], use_cache=False)
+        finally:
+            handle.remove()
+    return inputs, block_kwargs
+
+
+def _run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict) -> list[torch.Tensor]:
+    outputs = []
+    with torch.no_grad():
+        for hidden in inputs:
+            out = block(hidden, **kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+def _collect(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict, need_hessian: bool):
+    """Run the (dense) block over the inputs, accumulating each Linear's input statistics."""
+    linears = block_linears(block)
+    stats = {name: InputStats(linear.in_features, need_hessian) for name, linear in linears.items()}
+    handles = [
+        linear.register_forward_hook(lambda m, args, out, s=stats[name]: s.add(args[0]))
+        for name, linear in linears.items()
+    ]
+    try:
+        _run_block(block, inputs, kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return linears, stats
+
+
+def prune(
+    model: nn.Module,
+    method: str = "wanda",
+    sparsity: float = 0.5,
+    pattern: str | None = None,
+    calibration: torch.Tensor | None = None,
+    owl: bool = False,
+    batch: int = 8,
+    progress: bool = True,
+) -> PruneReport:
+    """Prune the Linear layers of `model`'s decoder blocks in place; return a report.
+
+    `pattern` is None/"unstructured" (each layer at `sparsity`) or "N:M" ("2:4", "4:8"). Methods
+    that need data take `calibration`, a LongTensor [n_samples, seqlen]. `owl=True` gives each
+    block its own ratio from its share of outlier activations (OWL), averaging to `sparsity`.
+    """
+    shape = Pattern.parse(sparsity, pattern)
+    pruner = make_pruner(method)
+    layers = decoder_layers(model)
+    needs_data = pruner.needs_calibration or owl
+    if needs_data and (calibration is None or calibration.dim() != 2):
+        raise SparsegenError(f"{method}{' with OWL' if owl else ''} needs calibration token ids [n_samples, seqlen]")
+    if owl and shape.is_nm:
+        raise SparsegenError("OWL sets a ratio per layer; it does not apply to N:M patterns")
+    n_samples, seqlen = calibration.shape if calibration is not None else (0, 0)
+    report = PruneReport(method, str(shape), shape.sparsity, owl, n_samples, seqlen)
+    started = time.perf_counter()
+    ratios = [shape.sparsity] * len(layers)
+    if needs_data:
+        device = next(model.parameters()).device
+        inputs, kwargs = _capture(model, layers, calibration.to(device), batch)
+        if owl:
+            scores = []
+            hidden = inputs
+            for i, block in enumerate(tqdm(layers, desc="OWL outliers", disable=not progress)):
+                linears, stats = _collect(block, hidden, kwargs[i], need_hessian=False)
+                scores.append(outlier_ratio(linears, stats))
+                hidden = _run_block(block, hidden, kwargs[i])
+            ratios = owl_ratios(scores, shape.sparsity)
+    else:
+        inputs, kwargs = None, None
+    for i, block in enumerate(tqdm(layers, desc=f"{method} {shape}", unit="block", disable=not progress)):
+        block_shape = Pattern(ratios[i], shape.n, shape.m)
+        if needs_data:
+            linears, stats = _collect(block, inputs, kwargs[i], pruner.needs_hessian)
+        else:
+            linears, stats = block_linears(block), {}
+        zeros = total = 0
+        for name, linear in linears.items():
+            pruned = pruner.prune_weight(linear.weight.data, block_shape, stats.get(name))
+            linear.weight.data.copy_(pruned.to(linear.weight.dtype))
+            zero = int((linear.weight.data == 0).sum())
+            report.layers[f"{i}.{name}"] = zero / linear.weight.numel()
+            zeros, total = zeros + zero, total + linear.weight.numel()
+        report.block_sparsity.append(zeros / total)
+        if needs_data:
+            stats.clear()
+            inputs = _run_block(block, inputs, kwargs[i])
+    report.seconds = time.perf_counter() - started
+    return report

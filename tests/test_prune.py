@@ -1,0 +1,176 @@
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import sparsegen
+from sparsegen.errors import SparsegenError
+from sparsegen.eval.perplexity import windowed_ppl
+from sparsegen.prune import InputStats, Pattern, decoder_layers, make_pruner, prune
+from sparsegen.prune.checkpoint import save_pruned
+from sparsegen.prune.owl import owl_ratios
+from sparsegen.prune.pipeline import block_linears
+from tests.conftest import build_tiny
+
+METHODS = ["magnitude", "wanda", "sparsegpt"]
+
+
+def _calibration(n=4, seqlen=32, seed=0):
+    return torch.randint(3, 96, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def _linears(model):
+    return {
+        f"{i}.{name}": linear
+        for i, block in enumerate(decoder_layers(model))
+        for name, linear in block_linears(block).items()
+    }
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unstructured_sparsity_is_exact_per_layer(arch, method):
+    model = build_tiny(arch)
+    embeddings, head = model.get_input_embeddings().weight.clone(), model.lm_head.weight.clone()
+    report = prune(model, method, 0.5, calibration=_calibration(), progress=False)
+    for name, linear in _linears(model).items():
+        w = linear.weight
+        if method == "magnitude":
+            assert int((w == 0).sum()) == int(w.numel() * 0.5), name
+        else:
+            assert ((w == 0).sum(1) == int(w.shape[1] * 0.5)).all(), name
+        assert report.layers[name] == pytest.approx((w == 0).float().mean().item())
+    assert torch.equal(model.lm_head.weight, head) and torch.equal(model.get_input_embeddings().weight, embeddings)
+
+
+@pytest.mark.parametrize("pattern", ["2:4", "4:8"])
+@pytest.mark.parametrize("method", METHODS)
+def test_nm_groups_are_valid(method, pattern):
+    n, m = map(int, pattern.split(":"))
+    model = build_tiny("qwen2")
+    prune(model, method, pattern=pattern, calibration=_calibration(), progress=False)
+    for name, linear in _linears(model).items():
+        groups = linear.weight.reshape(linear.weight.shape[0], -1, m)
+        assert ((groups == 0).sum(-1) == n).all(), name
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_sparsity_leaves_weights_unchanged(method):
+    model = build_tiny("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prune(model, method, 0.0, calibration=_calibration(), progress=False)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_wanda_mask_equals_naive_reference():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 8, generator=gen)
+    inputs = torch.randn(50, 8, generator=gen) * torch.linspace(0.1, 3, 8)
+    stats = InputStats(8, need_hessian=False)
+    stats.add(inputs[:20])
+    stats.add(inputs[20:])
+    pruned = make_pruner("wanda").prune_weight(weight, Pattern.parse(0.5), stats)
+    for row in range(6):
+        score = [abs(weight[row, j].item()) * sum(inputs[t, j].item() ** 2 for t in range(50)) ** 0.5 for j in range(8)]
+        dropped = sorted(range(8), key=lambda j: score[j])[:4]
+        expected = [0.0 if j in dropped else weight[row, j].item() for j in range(8)]
+        assert pruned[row].tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("pattern", [None, "2:4"])
+def test_sparsegpt_reconstructs_better_than_wanda(pattern):
+    gen = torch.Generator().manual_seed(1)
+    mixing = torch.eye(128) + 0.5 * torch.randn(128, 128, generator=gen) / 128**0.5
+    scales = 0.2 + 2 * torch.rand(128, generator=gen)
+    inputs = torch.randn(1024, 128, generator=gen) * scales @ mixing  # correlated, unevenly scaled inputs
+    weight = torch.randn(32, 128, generator=gen)
+    stats = InputStats(128, need_hessian=True)
+    stats.add(inputs)
+    shape = Pattern.parse(0.5, pattern)
+    errors = {}
+    for method in ("wanda", "sparsegpt"):
+        pruned = make_pruner(method).prune_weight(weight, shape, stats)
+        assert (pruned == 0).float().mean().item() == pytest.approx(0.5)
+        errors[method] = (inputs @ (weight - pruned).t()).pow(2).sum().item()
+    assert errors["sparsegpt"] < 0.95 * errors["wanda"]
+
+
+def test_hessian_accumulates_as_two_over_n_x_xt():
+    x = torch.randn(40, 5, generator=torch.Generator().manual_seed(2))
+    stats = InputStats(5, need_hessian=True)
+    for part in x.split(7):
+        stats.add(part)
+    torch.testing.assert_close(stats.hessian, 2 / 40 * x.t() @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_owl_ratios_average_to_target_and_favour_outlier_blocks():
+    ratios = owl_ratios([0.01, 0.05, 0.02, 0.03], 0.7)
+    assert sum(ratios) / 4 == pytest.approx(0.7)
+    assert ratios[1] == min(ratios) and ratios[0] == max(ratios)
+    assert max(ratios) - min(ratios) == pytest.approx(0.16)
+    model = build_tiny("llama")
+    report = prune(model, "wanda", 0.7, calibration=_calibration(), owl=True, progress=False)
+    assert report.overall == pytest.approx(0.7, abs=0.01)
+    assert len(set(round(s, 3) for s in report.block_sparsity)) > 1
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path, compressed):
+    model = build_tiny("llama")
+    report = prune(model, "sparsegpt", pattern="2:4", calibration=_calibration(), progress=False)
+    folder = save_pruned(model, None, tmp_path / "pruned", report, compressed=compressed)
+    ids = _calibration(1, 20, seed=5)
+    with torch.no_grad():
+        expected = model(ids).logits
+        if compressed:
+            loaded = sparsegen.models._from_pretrained(str(folder), {"dtype": torch.float32})
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(folder)
+        torch.testing.assert_close(loaded.eval()(ids).logits, expected, rtol=0, atol=0)
+    config = json.loads((folder / "config.json").read_text())["sparsity_config"]
+    assert config["sparsity_structure"] == "2:4" and config["method"] == "sparsegpt"
+    assert config["layer_sparsity"]["0.self_attn.q_proj"] == 0.5
+    assert config["format"] == ("sparse-bitmask" if compressed else "dense")
+
+
+def test_compressed_checkpoint_is_smaller(tmp_path):
+    model = build_tiny("llama")
+    report = prune(model, "magnitude", 0.9, progress=False)
+    dense = save_pruned(model, None, tmp_path / "dense", report)
+    small = save_pruned(model, None, tmp_path / "small", report, compressed=True)
+    size = lambda folder: sum(f.stat().st_size for f in folder.glob("*.safetensors"))  # noqa: E731
+    assert size(small) < size(dense)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda m: prune(m, "wanda", 1.0, calibration=_calibration()), "sparsity must be in \\[0, 1\\)"),
+        (lambda m: prune(m, "wanda", -0.1, calibration=_calibration()), "sparsity must be in \\[0, 1\\)"),
+        (lambda m: prune(m, "wanda", pattern="4:4", calibration=_calibration()), "0 < N < M"),
+        (lambda m: prune(m, "wanda", pattern="2-4", calibration=_calibration()), "N:M"),
+        (lambda m: prune(m, "obs", 0.5), "unknown pruning method 'obs'"),
+        (lambda m: prune(m, "wanda", 0.5), "needs calibration"),
+        (lambda m: prune(nn.Sequential(nn.Linear(4, 4)), "magnitude", 0.5), "no decoder layers found"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(call, message):
+    with pytest.raises(SparsegenError, match=message):
+        call(build_tiny("llama"))
+
+
+def test_windowed_ppl_matches_manual_windows():
+    model = build_tiny("mistral")
+    ids = torch.randint(3, 96, (100,), generator=torch.Generator().manual_seed(3))
+    result = windowed_ppl(model, ids, seqlen=30, progress=False)
+    assert result.windows == 3 and result.tokens == 90
+    with torch.no_grad():
+        nll = [
+            torch.nn.functional.cross_entropy(
+                model(ids[None, w * 30 : (w + 1) * 30]).logits[0, :-1], ids[w * 30 + 1 : (w + 1) * 30]
+            )
+            for w in range(3)
+        ]
+    assert result.nll == pytest.approx(torch.stack(nll).mean().item(), rel=1e-5)
