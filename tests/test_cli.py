@@ -152,3 +152,61 @@ def test_bench_kv_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_text, t
     assert [r["cache"] for r in data["rows"]] == [8, 16]
     assert all(r["streaming_ms"] > 0 and r["recompute_rss"] > 0 for r in data["rows"])
     assert (tmp_path / "bench_kv.png").exists() and "recompute / streaming" in out
+
+
+@pytest.mark.parametrize("method,pattern", [("wanda", "2:4"), ("sparsegpt", "unstructured"), ("magnitude", "4:8")])
+def test_prune_writes_a_checkpoint_transformers_loads(
+    monkeypatch, capsys, tiny_folder, tiny_text, tmp_path, method, pattern
+):
+    from transformers import AutoModelForCausalLM
+
+    out_dir = tmp_path / "pruned"
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "prune",
+        "--model",
+        tiny_folder,
+        "--method",
+        method,
+        "--pattern",
+        pattern,
+        "--calib-text",
+        tiny_text,
+        "--n-samples",
+        "4",
+        "--seqlen",
+        "32",
+        "--out",
+        out_dir,
+    )
+    assert code == 0, err
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    config = model.config.sparsity_config
+    assert config["method"] == method and config["sparsity_structure"] == pattern
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert (q_proj == 0).float().mean().item() == pytest.approx(0.5)
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "eval",
+        "ppl",
+        "--model",
+        out_dir,
+        "--text",
+        tiny_text,
+        "--seqlen",
+        "64",
+        "--json",
+        tmp_path / "ppl.json",
+    )
+    assert code == 0, err
+    result = json.loads((tmp_path / "ppl.json").read_text())
+    assert result["seqlen"] == 64 and result["windows"] == 6 and result["ppl"] > 1
+
+
+def test_prune_bad_method_is_a_clear_error(monkeypatch, capsys, tiny_folder, tmp_path):
+    code, _, err = run_cli(
+        monkeypatch, capsys, "prune", "--model", tiny_folder, "--method", "obs", "--out", tmp_path / "x"
+    )
+    assert code == 2 and "unknown pruning method 'obs'" in err

@@ -174,3 +174,21 @@ def test_windowed_ppl_matches_manual_windows():
             for w in range(3)
         ]
     assert result.nll == pytest.approx(torch.stack(nll).mean().item(), rel=1e-5)
+
+
+def test_accelerate_swaps_only_where_faster_and_keeps_outputs():
+    from sparsegen.prune.accelerate import CSRLinear, accelerate
+
+    model = build_tiny("llama")
+    prune(model, "magnitude", 0.9, progress=False)
+    ids = _calibration(1, 12, seed=7)
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert accelerate(model, min_speedup=float("inf"), repeats=2) and not any(
+        isinstance(m, CSRLinear) for m in model.modules()
+    )
+    ratios = accelerate(model, min_speedup=0.0, repeats=2)
+    assert len(ratios) == 21 and all(r > 0 for r in ratios.values())
+    assert sum(isinstance(m, CSRLinear) for m in model.modules()) == 21
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)

@@ -221,6 +221,30 @@ def bench_kv_command(
     out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")
 
 
+@bench_app.command("prune")
+def bench_prune_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    n_samples: int = typer.Option(16, "--n-samples"),
+    seqlen: int = typer.Option(512, "--seqlen"),
+    sparsities: str = typer.Option("0.5,0.7,0.9", "--sparsities"),
+    out_dir: Path = typer.Option(Path("results/bench_prune"), "--out"),
+) -> None:
+    """Pruning time per method, and decode speed dense vs CSR per sparsity."""
+    from sparsegen.bench.prune import bench_prune
+
+    bench_prune(
+        model,
+        text,
+        n_samples,
+        seqlen,
+        tuple(float(s) for s in sparsities.split(",")),
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_prune.md").read_text())
+
+
 @app.command("prune")
 def prune_command(
     model: str = ModelOpt,
