@@ -106,7 +106,11 @@ def generate(
 def stream(
     model: str = ModelOpt,
     text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
-    policies: str = typer.Option("full,window,streaming,h2o,streaming_h2o", "--policies"),
+    policies: str = typer.Option(
+        "full,window,streaming,h2o,streaming_h2o",
+        "--policies",
+        help="Comma-separated; full is always run as the reference, up to the model's window.",
+    ),
     budget: int | None = typer.Option(None, "--budget", help="Total KV budget per policy [default: 1024]."),
     sinks: int | None = SinksOpt,
     recent: int | None = RecentOpt,

@@ -82,12 +82,14 @@ def stream_job(
     """Run the comparison, write results.json, NLL files and the plot into `out`; return results."""
     model, tokenizer = load(model_name)
     model_window = model.config.get_text_config().max_position_embeddings
+    if "full" not in policies:  # the reference for fidelity, always run within the model's window
+        policies = ["full", *policies]
     runs = policy_runs(policies, budget, sinks, recent, heavy, position, model_window)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)
     if ids.numel() < tokens:
         raise SparsegenError(f"the text has only {ids.numel()} tokens, fewer than --tokens {tokens}")
     torch.manual_seed(0)
-    reference = "full" if "full" in policies else None
+    reference = "full"
     started = time.time()
     results = stream_compare(model, ids, runs, chunk=chunk, reference=reference, out_dir=out, progress=progress)
     rows = {}
