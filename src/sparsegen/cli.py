@@ -249,6 +249,34 @@ def bench_prune_command(
     out.print((out_dir / "bench_prune.md").read_text())
 
 
+@bench_app.command("prune-quality")
+def prune_quality_command(
+    model: str = ModelOpt,
+    calib_text: str = typer.Option("shakespeare", "--calib-text"),
+    eval_text: str = typer.Option("shakespeare", "--eval-text"),
+    n_samples: int = typer.Option(32, "--n-samples"),
+    seqlen: int = typer.Option(512, "--seqlen"),
+    eval_seqlen: int = typer.Option(2048, "--eval-seqlen"),
+    max_windows: int = typer.Option(8, "--max-windows"),
+    out_dir: Path = typer.Option(Path("results/prune_quality"), "--out"),
+) -> None:
+    """Perplexity and pruning time per method and pattern (50%, 4:8, 2:4; OWL at 70%)."""
+    from sparsegen.bench.prune import prune_quality
+
+    prune_quality(
+        model,
+        calib_text,
+        eval_text,
+        n_samples,
+        seqlen,
+        eval_seqlen,
+        max_windows,
+        out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "prune_quality.md").read_text())
+
+
 @app.command("prune")
 def prune_command(
     model: str = ModelOpt,

@@ -95,9 +95,9 @@ def stream_job(
     rows = {}
     for label, result in results.items():
         row = result.summary()
-        row["ppl_in_window"] = result.ppl_between(0, model_window - 1)
-        # Scored token i predicts token i + 1: the first `model_window - 1` lie within the window.
-        row["ppl_past_window"] = result.ppl_between(model_window - 1) if result.tokens >= model_window else None
+        # Scored token i is predicted at position i: the first `model_window` are made within the window.
+        row["ppl_in_window"] = result.ppl_between(0, model_window)
+        row["ppl_past_window"] = result.ppl_between(model_window) if result.tokens > model_window else None
         rows[label] = row
     write_json(out / "results.json", rows)
     write_json(

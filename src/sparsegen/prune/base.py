@@ -65,7 +65,10 @@ class InputStats:
     hessian: torch.Tensor | None = None  # (2 / n) sum x x^T, fp32
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, self.columns).float()
+        with torch.autocast(x.device.type, enabled=False):  # statistics always in fp32
+            self._add(x.reshape(-1, self.columns).float())
+
+    def _add(self, x: torch.Tensor) -> None:
         tokens = x.shape[0]
         if self.sq_norm is None:
             self.sq_norm = torch.zeros(self.columns, device=x.device)

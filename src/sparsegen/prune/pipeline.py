@@ -73,7 +73,7 @@ def _capture(model: nn.Module, layers: nn.ModuleList, samples: torch.Tensor, bat
 
     handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
     with torch.no_grad():
-        model(samples[:batch], use_cache=False)  # one full pass records every block's arguments
+        model(samples[:1], use_cache=False)  # one sample's full pass records every block's arguments
         for handle in handles:
             handle.remove()
         handle = layers[0].register_forward_pre_hook(first, with_kwargs=True)
@@ -86,16 +86,33 @@ def _capture(model: nn.Module, layers: nn.ModuleList, samples: torch.Tensor, bat
     return inputs, block_kwargs
 
 
-def _run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict) -> list[torch.Tensor]:
+def fast_calibration_dtype(device: torch.device) -> torch.dtype | None:
+    """bfloat16 where the hardware computes it natively (CUDA, or CPUs with AVX-512 BF16 / AMX), else None.
+
+    Calibration forwards only produce statistics and the next block's inputs; the published
+    methods run them in half precision on GPUs. Statistics are still accumulated in fp32.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict, dtype: torch.dtype | None):
     outputs = []
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(inputs[0].device, dtype):
         for hidden in inputs:
             out = block(hidden, **kwargs)
             outputs.append(out[0] if isinstance(out, tuple) else out)
     return outputs
 
 
-def _collect(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict, need_hessian: bool):
+def _collect(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict, dtype: torch.dtype | None, need_hessian: bool):
     """Run the (dense) block over the inputs, accumulating each Linear's input statistics."""
     linears = block_linears(block)
     stats = {name: InputStats(linear.in_features, need_hessian) for name, linear in linears.items()}
@@ -104,7 +121,7 @@ def _collect(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict, need_he
         for name, linear in linears.items()
     ]
     try:
-        _run_block(block, inputs, kwargs)
+        _run_block(block, inputs, kwargs, dtype)
     finally:
         for handle in handles:
             handle.remove()
@@ -119,6 +136,7 @@ def prune(
     calibration: torch.Tensor | None = None,
     owl: bool = False,
     batch: int = 8,
+    calibration_dtype: torch.dtype | None | str = "auto",
     progress: bool = True,
 ) -> PruneReport:
     """Prune the Linear layers of `model`'s decoder blocks in place; return a report.
@@ -126,6 +144,8 @@ def prune(
     `pattern` is None/"unstructured" (each layer at `sparsity`) or "N:M" ("2:4", "4:8"). Methods
     that need data take `calibration`, a LongTensor [n_samples, seqlen]. `owl=True` gives each
     block its own ratio from its share of outlier activations (OWL), averaging to `sparsity`.
+    `calibration_dtype` is the autocast dtype of the calibration forwards: "auto" is bfloat16
+    where the hardware computes it natively (see `fast_calibration_dtype`), None the model's dtype.
     """
     shape = Pattern.parse(sparsity, pattern)
     pruner = make_pruner(method)
@@ -135,29 +155,27 @@ def prune(
         raise SparsegenError(f"{method}{' with OWL' if owl else ''} needs calibration token ids [n_samples, seqlen]")
     if owl and shape.is_nm:
         raise SparsegenError("OWL sets a ratio per layer; it does not apply to N:M patterns")
-    n_samples, seqlen = calibration.shape if calibration is not None else (0, 0)
+    n_samples, seqlen = calibration.shape if needs_data else (0, 0)
     report = PruneReport(method, str(shape), shape.sparsity, owl, n_samples, seqlen)
     started = time.perf_counter()
+    device = next(model.parameters()).device
+    dtype = fast_calibration_dtype(device) if calibration_dtype == "auto" else calibration_dtype
     ratios = [shape.sparsity] * len(layers)
-    if needs_data:
-        device = next(model.parameters()).device
-        inputs, kwargs = _capture(model, layers, calibration.to(device), batch)
-        if owl:
-            scores = []
-            hidden = inputs
-            for i, block in enumerate(tqdm(layers, desc="OWL outliers", disable=not progress)):
-                linears, stats = _collect(block, hidden, kwargs[i], need_hessian=False)
-                scores.append(outlier_ratio(linears, stats))
-                hidden = _run_block(block, hidden, kwargs[i])
-            ratios = owl_ratios(scores, shape.sparsity)
-    else:
-        inputs, kwargs = None, None
+    inputs, kwargs = _capture(model, layers, calibration.to(device), batch) if needs_data else (None, None)
+    if owl:
+        scores, hidden = [], inputs
+        for i, block in enumerate(tqdm(layers, desc="OWL outliers", disable=not progress)):
+            linears, stats = _collect(block, hidden, kwargs[i], dtype, need_hessian=False)
+            scores.append(outlier_ratio(linears, stats))
+            hidden = _run_block(block, hidden, kwargs[i], dtype)
+        ratios = owl_ratios(scores, shape.sparsity)
     for i, block in enumerate(tqdm(layers, desc=f"{method} {shape}", unit="block", disable=not progress)):
         block_shape = Pattern(ratios[i], shape.n, shape.m)
-        if needs_data:
-            linears, stats = _collect(block, inputs, kwargs[i], pruner.needs_hessian)
-        else:
-            linears, stats = block_linears(block), {}
+        linears, stats = (
+            _collect(block, inputs, kwargs[i], dtype, pruner.needs_hessian)
+            if needs_data
+            else (block_linears(block), {})
+        )
         zeros = total = 0
         for name, linear in linears.items():
             pruned = pruner.prune_weight(linear.weight.data, block_shape, stats.get(name))
@@ -166,8 +184,8 @@ def prune(
             report.layers[f"{i}.{name}"] = zero / linear.weight.numel()
             zeros, total = zeros + zero, total + linear.weight.numel()
         report.block_sparsity.append(zeros / total)
-        if needs_data:
+        if needs_data and i + 1 < len(layers):
             stats.clear()
-            inputs = _run_block(block, inputs, kwargs[i])
+            inputs = _run_block(block, inputs, kwargs[i], dtype)
     report.seconds = time.perf_counter() - started
     return report

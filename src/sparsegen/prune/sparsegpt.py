@@ -27,7 +27,7 @@ class SparseGPTPruner(Pruner):
         self.block_size, self.damping = block_size, damping
 
     def inverse_hessian_factor(self, hessian: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        hessian = hessian.clone()
+        hessian = hessian.double()  # the inverse of an ill-conditioned H needs the headroom
         dead = hessian.diagonal() == 0
         hessian[dead, dead] = 1
         weight[:, dead] = 0
@@ -35,7 +35,7 @@ class SparseGPTPruner(Pruner):
         try:
             lower = torch.linalg.cholesky(hessian)
             inverse = torch.cholesky_inverse(lower)
-            return torch.linalg.cholesky(inverse, upper=True)
+            return torch.linalg.cholesky(inverse, upper=True).float()
         except torch.linalg.LinAlgError as exc:
             raise SparsegenError(
                 "SparseGPT: the Hessian is not positive definite; use more calibration samples or a larger damping"
