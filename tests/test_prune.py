@@ -192,3 +192,25 @@ def test_accelerate_swaps_only_where_faster_and_keeps_outputs():
     assert sum(isinstance(m, CSRLinear) for m in model.modules()) == 21
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_prune_on_a_tiny_model(tiny_folder, tiny_text, tmp_path):
+    from sparsegen.bench.prune import bench_prune
+
+    result = bench_prune(
+        str(tiny_folder),
+        str(tiny_text),
+        n_samples=2,
+        seqlen=16,
+        sparsities=(0.5, 0.9),
+        decode_tokens=3,
+        out=tmp_path,
+        progress=lambda msg: None,
+        gemv_shape=(64, 32),
+    )
+    assert [row["method"] for row in result["timing"]] == ["magnitude", "wanda", "sparsegpt", "wanda", "sparsegpt"]
+    assert all(row["seconds"] > 0 for row in result["timing"])
+    assert [row["sparsity"] for row in result["speed"]] == [0.5, 0.9]
+    assert all(row["dense_tok_s"] > 0 and row["sparse_tok_s"] > 0 for row in result["speed"])
+    assert all(row["csr32_us"] > 0 for row in result["gemv"])
+    assert "2:4 semi-structured: not run" in (tmp_path / "bench_prune.md").read_text()

@@ -8,14 +8,13 @@ window with re-computation re-encodes the last W tokens for every new token.
 from __future__ import annotations
 
 import multiprocessing
-import platform
 import statistics
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
+from sparsegen.bench.measure import run_meta
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table, plot_lines
 
@@ -151,15 +150,7 @@ def bench_kv(
                 ),
             }
         )
-    meta = {
-        "model": model_name,
-        "text": text,
-        "context": context,
-        "new_tokens": new_tokens,
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {threads} threads",
-        "torch": torch.__version__,
-    }
+    meta = run_meta(model=model_name, text=text, context=context, new_tokens=new_tokens)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_kv.json", {"meta": meta, "rows": rows, "memory": memory})
     lines = [

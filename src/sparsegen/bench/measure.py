@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import platform
 import resource
 import statistics
 import time
+from datetime import date
 
+import torch
 from transformers import LogitsProcessor
 
 
@@ -34,3 +37,13 @@ def current_rss_mb() -> float:
     with open("/proc/self/statm") as handle:
         pages = int(handle.read().split()[1])
     return pages * resource.getpagesize() / 2**20
+
+
+def run_meta(**fields) -> dict:
+    """What every benchmark result records besides its own settings: date, machine, versions."""
+    return {
+        **fields,
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+    }

@@ -6,13 +6,12 @@ need a CUDA GPU (`torch.sparse.to_sparse_semi_structured`); on a CPU they are re
 
 from __future__ import annotations
 
-import platform
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
+from sparsegen.bench.measure import run_meta
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table
 
@@ -48,6 +47,7 @@ def bench_prune(
     decode_tokens: int = 32,
     out: Path = Path("results/bench_prune"),
     progress=print,
+    gemv_shape: tuple[int, int] = (1536, 576),
 ) -> dict:
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.models import load
@@ -93,16 +93,9 @@ def bench_prune(
                 "speedup": sparse_tok_s / dense_tok_s,
             }
         )
-    gemv = _gemv_table(sparsities)
-    meta = {
-        "model": model_name,
-        "text": text,
-        "n_samples": n_samples,
-        "seqlen": seqlen,
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "semi_structured_2_4": "not run: needs a CUDA GPU" if not torch.cuda.is_available() else "see gemv",
-    }
+    gemv = _gemv_table(sparsities, *gemv_shape)
+    gpu = "not run: needs a CUDA GPU" if not torch.cuda.is_available() else "not implemented yet"
+    meta = run_meta(model=model_name, text=text, n_samples=n_samples, seqlen=seqlen, semi_structured_2_4=gpu)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_prune.json", {"meta": meta, "timing": timing, "speed": speed, "gemv": gemv})
     write_text(
@@ -114,7 +107,7 @@ def bench_prune(
                 markdown_table(timing, TIME_COLUMNS),
                 "\n",
                 markdown_table(speed, SPEED_COLUMNS),
-                "\nbatch-1 GEMV of a 1536 x 576 weight (the MLP up projection), microseconds:\n\n",
+                f"\nbatch-1 GEMV of a {gemv_shape[0]} x {gemv_shape[1]} weight, microseconds:\n\n",
                 markdown_table(
                     gemv,
                     [
@@ -220,7 +213,7 @@ def prune_quality(
     meta = (
         f"model `{model_name}`, calibration {n_samples} x {seqlen} tokens of `{calib_text}` (seed 0), "
         f"perplexity over the first {max_windows} windows of {eval_seqlen} tokens of `{eval_text}`, "
-        f"{platform.machine()}, {torch.get_num_threads()} threads, {date.today().isoformat()}\n\n"
+        f"{run_meta()['machine']}, {run_meta()['date']}\n\n"
     )
     write_text(out / "prune_quality.md", meta + markdown_table(rows, QUALITY_COLUMNS))
     return rows
