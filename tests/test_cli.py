@@ -144,13 +144,15 @@ def test_bench_kv_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_text, t
         "64",
         "--new-tokens",
         "4",
+        "--also",
+        "h2o",
         "--out",
         tmp_path,
     )
     assert code == 0
     data = json.loads((tmp_path / "bench_kv.json").read_text())
     assert [r["cache"] for r in data["rows"]] == [8, 16]
-    assert all(r["streaming_ms"] > 0 and r["recompute_rss"] > 0 for r in data["rows"])
+    assert all(r["streaming_ms"] > 0 and r["h2o_ms"] > 0 and r["recompute_rss"] > 0 for r in data["rows"])
     assert (tmp_path / "bench_kv.png").exists() and "recompute / streaming" in out
 
 

@@ -206,6 +206,7 @@ def bench_kv_command(
     context: int = typer.Option(4096, "--context", help="Tokens before decoding starts."),
     new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens decoded per measurement."),
     stream_tokens: str = typer.Option("", "--stream-tokens", help="Also record RSS along streams of these lengths."),
+    also: str = typer.Option("", "--also", help="Other policies to time at each cache size, e.g. h2o,window."),
     out_dir: Path = typer.Option(Path("results/bench_kv"), "--out"),
 ) -> None:
     """Per-token latency and peak RSS vs cache size: streaming, re-computation, dense."""
@@ -220,6 +221,7 @@ def bench_kv_command(
         stream_tokens=tuple(int(s) for s in stream_tokens.split(",") if s),
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        also=tuple(p for p in also.split(",") if p),
     )
     out.print((out_dir / "bench_kv.md").read_text())
     out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")

@@ -40,7 +40,15 @@ def _prefix(model_name: str, text: str, tokens: int):
     return model, ids
 
 
-def _decode_worker(model_name: str, text: str, context: int, new_tokens: int, cache_size: int | None, threads: int):
+def _decode_worker(
+    model_name: str,
+    text: str,
+    context: int,
+    new_tokens: int,
+    cache_size: int | None,
+    threads: int,
+    policy: str = "streaming",
+):
     """Per-token latency of generate() after `context` tokens: a streaming cache of `cache_size`, or dense."""
     from transformers import DynamicCache, LogitsProcessorList
 
@@ -49,7 +57,7 @@ def _decode_worker(model_name: str, text: str, context: int, new_tokens: int, ca
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, context)
-    cache = DynamicCache() if cache_size is None else make_cache(model, "streaming", budget=cache_size, sinks=4)
+    cache = DynamicCache() if cache_size is None else make_cache(model, policy, budget=cache_size)
     clock = TokenClock()
     with torch.inference_mode():
         model.generate(
@@ -116,8 +124,12 @@ def bench_kv(
     out: Path = Path("results/bench_kv"),
     threads: int | None = None,
     progress=print,
+    also: tuple[str, ...] = (),
 ) -> dict:
-    """Run the benchmark; write `bench_kv.md`, `bench_kv.json` and `bench_kv.png` into `out`."""
+    """Run the benchmark; write `bench_kv.md`, `bench_kv.json` and `bench_kv.png` into `out`.
+
+    `also` names further policies whose decode latency is measured at each cache size too.
+    """
     threads = threads or torch.get_num_threads()
     rows = []
     progress(f"dense: generate() after {context} tokens")
@@ -139,6 +151,11 @@ def bench_kv(
                 "dense_rss": dense_rss,
             }
         )
+        for policy in also:
+            progress(f"cache {size}: {policy} after {context} tokens")
+            rows[-1][f"{policy}_ms"] = _in_process(
+                _decode_worker, model_name, text, context, new_tokens, size, threads, policy
+            )[0]
     memory = []
     for tokens in stream_tokens:
         progress(f"RSS along a {tokens}-token stream (cache {sizes[0]})")
@@ -155,7 +172,7 @@ def bench_kv(
     write_json(out / "bench_kv.json", {"meta": meta, "rows": rows, "memory": memory})
     lines = [
         f"decode after {context} tokens of `{text}`, model `{model_name}`, {meta['machine']}, {meta['date']}\n",
-        markdown_table(rows, COLUMNS),
+        markdown_table(rows, [*COLUMNS[:2], *((f"{p}_ms", f"{p} ms/token") for p in also), *COLUMNS[2:]]),
     ]
     for entry in memory:
         lines.append(f"\nRSS along a {entry['tokens']}-token stream, cache {sizes[0]}:\n")
