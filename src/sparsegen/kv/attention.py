@@ -48,20 +48,24 @@ def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, m
 
     query [b, hq, q, d] are the newest q tokens, key [b, hkv, s, d] the held keys followed by
     those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
-    long prefill never materialises the whole q x s matrix.
+    long prefill never materialises the whole q x s matrix; keys are never copied.
     """
     b, hq, q, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
-    grouped = query.view(b, hkv, hq // hkv, q, d)
+    group = hq // hkv
+    grouped = query.view(b, hkv, group, q, d)
+    keys_t = key.transpose(-1, -2)
     total = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
     step = max(1, max_elements // max(1, b * hq * s))
     key_index = torch.arange(s, device=query.device)
     for start in range(0, q, step):
         stop = min(q, start + step)
-        logits = torch.einsum("bhgqd,bhsd->bhgqs", grouped[:, :, :, start:stop], key).float() * scaling
-        last_visible = s - q + torch.arange(start, stop, device=query.device)
-        logits.masked_fill_(key_index > last_visible[:, None], float("-inf"))
-        total += logits.softmax(-1).sum(dim=(2, 3))
+        rows = grouped[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
+        logits = (rows @ keys_t).float() * scaling  # [b, hkv, group * n, s], rows group-major
+        if q > 1:
+            last_visible = (s - q + torch.arange(start, stop, device=query.device)).repeat(group)
+            logits.masked_fill_(key_index > last_visible[:, None], float("-inf"))
+        total += logits.softmax(-1).sum(dim=2)
     return total
 
 
