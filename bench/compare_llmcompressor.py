@@ -70,7 +70,8 @@ def main() -> None:
         started = time.perf_counter()
         oneshot(model=theirs, dataset=dataset, num_calibration_samples=args.n_samples,
                 max_seq_length=args.seqlen,
-                recipe=modifier(sparsity=0.5, mask_structure="0:0", targets=["Linear"], ignore=["lm_head"]))
+                recipe=modifier(sparsity=0.5, mask_structure="0:0", targets=[r"re:model.layers.\d+$"],
+                                ignore=["lm_head"]))
         theirs_seconds = time.perf_counter() - started
         ppl_ours = windowed_ppl(ours, held_out, args.eval_seqlen, args.max_windows, progress=False).ppl
         ppl_theirs = windowed_ppl(theirs, held_out, args.eval_seqlen, args.max_windows, progress=False).ppl
