@@ -58,8 +58,9 @@ def main() -> None:
     _, tokenizer = sparsegen.load()
     calibration = calibration_samples(tokenizer, load_text("shakespeare"), args.n_samples, args.seqlen, seed=0)
     held_out = tokenize_long(tokenizer, load_text(args.eval_text))
-    dataset = Dataset.from_dict({"input_ids": calibration.tolist(),
-                                 "attention_mask": torch.ones_like(calibration).tolist()})
+    dataset = Dataset.from_dict(
+        {"input_ids": calibration.tolist(), "attention_mask": torch.ones_like(calibration).tolist()}
+    )
     rows = []
     for method, modifier in (("wanda", WandaPruningModifier), ("sparsegpt", SparseGPTModifier)):
         ours, _ = sparsegen.load()
@@ -68,20 +69,32 @@ def main() -> None:
         ours_seconds = time.perf_counter() - started
         theirs, _ = sparsegen.load()
         started = time.perf_counter()
-        oneshot(model=theirs, dataset=dataset, num_calibration_samples=args.n_samples,
-                max_seq_length=args.seqlen,
-                recipe=modifier(sparsity=0.5, mask_structure="0:0", targets=[r"re:model.layers.\d+$"],
-                                ignore=["lm_head"]))
+        oneshot(
+            model=theirs,
+            dataset=dataset,
+            num_calibration_samples=args.n_samples,
+            max_seq_length=args.seqlen,
+            recipe=modifier(sparsity=0.5, mask_structure="0:0", targets=[r"re:model.layers.\d+$"], ignore=["lm_head"]),
+        )
         theirs_seconds = time.perf_counter() - started
         ppl_ours = windowed_ppl(ours, held_out, args.eval_seqlen, args.max_windows, progress=False).ppl
         ppl_theirs = windowed_ppl(theirs, held_out, args.eval_seqlen, args.max_windows, progress=False).ppl
-        rows.append({"method": method, "ppl_sparsegen": ppl_ours, "ppl_llmcompressor": ppl_theirs,
-                     "ppl_ratio": ppl_ours / ppl_theirs, "mask_agreement": mask_agreement(ours, theirs),
-                     "seconds_sparsegen": ours_seconds, "seconds_llmcompressor": theirs_seconds})
+        rows.append(
+            {
+                "method": method,
+                "ppl_sparsegen": ppl_ours,
+                "ppl_llmcompressor": ppl_theirs,
+                "ppl_ratio": ppl_ours / ppl_theirs,
+                "mask_agreement": mask_agreement(ours, theirs),
+                "seconds_sparsegen": ours_seconds,
+                "seconds_llmcompressor": theirs_seconds,
+            }
+        )
         print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compare_llmcompressor.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                                      "rows": rows}, indent=2))
+    (args.out / "compare_llmcompressor.json").write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":
