@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--eval-seqlen", type=int, default=2048)
     parser.add_argument("--max-windows", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("results/llmcompressor"))
+    parser.add_argument("--skip", type=int, default=0, help="Skip the first N configurations.")
     args = parser.parse_args()
 
     _, tokenizer = sparsegen.load()
@@ -62,10 +63,15 @@ def main() -> None:
         {"input_ids": calibration.tolist(), "attention_mask": torch.ones_like(calibration).tolist()}
     )
     rows = []
-    for method, modifier in (("wanda", WandaPruningModifier), ("sparsegpt", SparseGPTModifier)):
+    parser_methods = [
+        ("wanda", WandaPruningModifier, {}),
+        ("sparsegpt", SparseGPTModifier, {}),
+        ("sparsegpt", SparseGPTModifier, {"mask_scope": "block"}),
+    ]
+    for method, modifier, options in parser_methods[args.skip :]:
         ours, _ = sparsegen.load()
         started = time.perf_counter()
-        prune(ours, method, 0.5, calibration=calibration, calibration_dtype=None, progress=False)
+        prune(ours, method, 0.5, calibration=calibration, calibration_dtype=None, progress=False, **options)
         ours_seconds = time.perf_counter() - started
         theirs, _ = sparsegen.load()
         started = time.perf_counter()
@@ -81,7 +87,7 @@ def main() -> None:
         ppl_theirs = windowed_ppl(theirs, held_out, args.eval_seqlen, args.max_windows, progress=False).ppl
         rows.append(
             {
-                "method": method,
+                "method": method + "".join(f" {k}={v}" for k, v in options.items()),
                 "ppl_sparsegen": ppl_ours,
                 "ppl_llmcompressor": ppl_theirs,
                 "ppl_ratio": ppl_ours / ppl_theirs,

@@ -214,3 +214,16 @@ def test_bench_prune_on_a_tiny_model(tiny_folder, tiny_text, tmp_path):
     assert all(row["dense_tok_s"] > 0 and row["sparse_tok_s"] > 0 for row in result["speed"])
     assert all(row["csr32_us"] > 0 for row in result["gemv"])
     assert "2:4 semi-structured: not run" in (tmp_path / "bench_prune.md").read_text()
+
+
+def test_sparsegpt_block_scope_keeps_the_layer_ratio_but_not_each_row():
+    gen = torch.Generator().manual_seed(4)
+    inputs = torch.randn(256, 64, generator=gen) * (0.2 + 2 * torch.rand(64, generator=gen))
+    weight = torch.randn(16, 64, generator=gen) * (0.1 + torch.rand(16, 1, generator=gen))
+    stats = InputStats(64, need_hessian=True)
+    stats.add(inputs)
+    pruned = make_pruner("sparsegpt", mask_scope="block").prune_weight(weight, Pattern.parse(0.5), stats)
+    assert int((pruned == 0).sum()) == 16 * 32
+    assert len(set((pruned == 0).sum(1).tolist())) > 1
+    with pytest.raises(SparsegenError, match="mask_scope"):
+        make_pruner("sparsegpt", mask_scope="column")

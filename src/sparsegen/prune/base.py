@@ -115,7 +115,11 @@ def mask_lowest(score: torch.Tensor, pattern: Pattern, per_row: bool) -> torch.T
     return mask
 
 
-def make_pruner(method: str) -> Pruner:
+def make_pruner(method: str, **options) -> Pruner:
+    """A registered pruner by name; `options` go to its constructor (e.g. SparseGPT's block_size)."""
     if method not in PRUNERS:
         raise SparsegenError(f"unknown pruning method {method!r}; choose one of: {', '.join(sorted(PRUNERS))}")
-    return PRUNERS[method]()
+    try:
+        return PRUNERS[method](**options)
+    except TypeError as exc:
+        raise SparsegenError(f"pruner {method!r}: {exc}") from None

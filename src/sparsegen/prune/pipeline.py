@@ -138,6 +138,7 @@ def prune(
     batch: int = 8,
     calibration_dtype: torch.dtype | None | str = "auto",
     progress: bool = True,
+    **options,
 ) -> PruneReport:
     """Prune the Linear layers of `model`'s decoder blocks in place; return a report.
 
@@ -146,9 +147,10 @@ def prune(
     block its own ratio from its share of outlier activations (OWL), averaging to `sparsity`.
     `calibration_dtype` is the autocast dtype of the calibration forwards: "auto" is bfloat16
     where the hardware computes it natively (see `fast_calibration_dtype`), None the model's dtype.
+    Further keywords go to the pruner (e.g. `mask_scope="block"` for SparseGPT).
     """
     shape = Pattern.parse(sparsity, pattern)
-    pruner = make_pruner(method)
+    pruner = make_pruner(method, **options)
     layers = decoder_layers(model)
     needs_data = pruner.needs_calibration or owl
     if needs_data and (calibration is None or calibration.dim() != 2):

@@ -1,7 +1,8 @@
 """SparseGPT: prune column blocks by w^2 / [H^-1]_jj^2 and compensate with OBS error feedback.
 
-Unstructured masks are chosen per block, the lowest scores of each row within the block (so every
-row and layer gets exactly the asked ratio).
+Unstructured masks are chosen per block: by default the lowest scores of each row within the block
+(every row and layer gets exactly the asked ratio); `mask_scope="block"` thresholds the whole block
+at once, as the reference implementation and llm-compressor do (rows then differ).
 
 H = (2/n) sum x x^T (fp32); dead inputs get H_jj = 1; damping 1% of mean(diag H); the inverse
 Hessian enters as the upper Cholesky factor of H^-1. Columns go in blocks of 128: inside a block,
@@ -23,8 +24,10 @@ class SparseGPTPruner(Pruner):
     name = "sparsegpt"
     needs_hessian = True
 
-    def __init__(self, block_size: int = 128, damping: float = 0.01) -> None:
-        self.block_size, self.damping = block_size, damping
+    def __init__(self, block_size: int = 128, damping: float = 0.01, mask_scope: str = "row") -> None:
+        if mask_scope not in ("row", "block"):
+            raise SparsegenError(f"mask_scope must be 'row' or 'block', got {mask_scope!r}")
+        self.block_size, self.damping, self.mask_scope = block_size, damping, mask_scope
 
     def inverse_hessian_factor(self, hessian: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         hessian = hessian.double()  # the inverse of an ill-conditioned H needs the headroom
@@ -56,7 +59,8 @@ class SparseGPTPruner(Pruner):
             if pattern.is_nm:
                 mask = torch.zeros_like(block, dtype=torch.bool)
             else:
-                mask = mask_lowest(block.pow(2) / diag.pow(2)[None, :], pattern, per_row=True)
+                score = block.pow(2) / diag.pow(2)[None, :]
+                mask = mask_lowest(score, pattern, per_row=self.mask_scope == "row")
             for j in range(stop - start):
                 if pattern.is_nm and j % pattern.m == 0:
                     group = slice(j, j + pattern.m)
