@@ -36,7 +36,7 @@ def test_unstructured_sparsity_is_exact_per_layer(arch, method):
     report = prune(model, method, 0.5, calibration=_calibration(), progress=False)
     for name, linear in _linears(model).items():
         w = linear.weight
-        if method == "magnitude":
+        if method in ("magnitude", "sparsegpt"):  # one threshold per matrix / per 128-column block
             assert int((w == 0).sum()) == int(w.numel() * 0.5), name
         else:
             assert ((w == 0).sum(1) == int(w.shape[1] * 0.5)).all(), name
@@ -214,6 +214,13 @@ def test_bench_prune_on_a_tiny_model(tiny_folder, tiny_text, tmp_path):
     assert all(row["dense_tok_s"] > 0 and row["sparse_tok_s"] > 0 for row in result["speed"])
     assert all(row["csr32_us"] > 0 for row in result["gemv"])
     assert "2:4 semi-structured: not run" in (tmp_path / "bench_prune.md").read_text()
+
+
+def test_sparsegpt_row_scope_keeps_every_row_ratio():
+    model = build_tiny("llama")
+    prune(model, "sparsegpt", 0.5, calibration=_calibration(), progress=False, mask_scope="row")
+    for name, linear in _linears(model).items():
+        assert ((linear.weight == 0).sum(1) == linear.weight.shape[1] // 2).all(), name
 
 
 def test_sparsegpt_block_scope_keeps_the_layer_ratio_but_not_each_row():

@@ -1,8 +1,9 @@
 """SparseGPT: prune column blocks by w^2 / [H^-1]_jj^2 and compensate with OBS error feedback.
 
-Unstructured masks are chosen per block: by default the lowest scores of each row within the block
-(every row and layer gets exactly the asked ratio); `mask_scope="block"` thresholds the whole block
-at once, as the reference implementation and llm-compressor do (rows then differ).
+Unstructured masks are chosen per block: by default the block is thresholded as a whole, as the
+reference implementation and llm-compressor do (each block, so each layer, gets exactly the asked
+ratio; rows differ); `mask_scope="row"` keeps the ratio in every row of the block instead, which
+gave 7% lower perplexity on SmolLM2 (docs/benchmarks.md).
 
 H = (2/n) sum x x^T (fp32); dead inputs get H_jj = 1; damping 1% of mean(diag H); the inverse
 Hessian enters as the upper Cholesky factor of H^-1. Columns go in blocks of 128: inside a block,
@@ -24,7 +25,7 @@ class SparseGPTPruner(Pruner):
     name = "sparsegpt"
     needs_hessian = True
 
-    def __init__(self, block_size: int = 128, damping: float = 0.01, mask_scope: str = "row") -> None:
+    def __init__(self, block_size: int = 128, damping: float = 0.01, mask_scope: str = "block") -> None:
         if mask_scope not in ("row", "block"):
             raise SparsegenError(f"mask_scope must be 'row' or 'block', got {mask_scope!r}")
         self.block_size, self.damping, self.mask_scope = block_size, damping, mask_scope
