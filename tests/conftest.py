@@ -10,6 +10,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    LogitsProcessor,
     MistralConfig,
     MistralForCausalLM,
     PreTrainedTokenizerFast,
@@ -114,3 +115,14 @@ def real():
     import sparsegen
 
     return sparsegen.load()
+
+
+class PhysicalLengthRecorder(LogitsProcessor):
+    """Records a policy cache's physical length at every generation step."""
+
+    def __init__(self, cache) -> None:
+        self.cache, self.lengths = cache, []
+
+    def __call__(self, input_ids, scores):
+        self.lengths.append(self.cache.physical_length())
+        return scores

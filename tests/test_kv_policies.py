@@ -4,14 +4,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
+from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessorList
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyLayer, make_cache, make_policy, split_budget
 from sparsegen.kv.attention import attention_received, take_in_flight
 from sparsegen.kv.rope import KeyRotation
-from tests.conftest import build_tiny
+from tests.conftest import PhysicalLengthRecorder, build_tiny
 from tests.kv_reference import ReferenceCache
 
 B, HKV, GROUP, D = 2, 2, 2, 8
@@ -137,15 +137,6 @@ def test_rolling_keys_equal_rope_recomputed_at_cache_positions():
             layer.after_attention(received if layer.policy.needs_scores else None)
 
 
-class _RecordLength(LogitsProcessor):
-    def __init__(self, cache):
-        self.cache, self.lengths = cache, []
-
-    def __call__(self, input_ids, scores):
-        self.lengths.append(self.cache.physical_length())
-        return scores
-
-
 @pytest.mark.parametrize(
     "policy,parts,budget",
     [
@@ -159,7 +150,7 @@ def test_generate_keeps_physical_length_within_budget(arch, policy, parts, budge
     model = build_tiny(arch)
     ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(0))
     cache = make_cache(model, policy, **parts)
-    recorder = _RecordLength(cache)
+    recorder = PhysicalLengthRecorder(cache)
     model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

@@ -2,22 +2,14 @@
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from sparsegen.data import load_text, tokenize_long
 from sparsegen.eval import PolicyRun, stream_compare
 from sparsegen.kv import make_cache
+from tests.conftest import PhysicalLengthRecorder
 
 pytestmark = pytest.mark.real
-
-
-class _Lengths(LogitsProcessor):
-    def __init__(self, cache):
-        self.cache, self.seen = cache, []
-
-    def __call__(self, input_ids, scores):
-        self.seen.append(self.cache.physical_length())
-        return scores
 
 
 def _prompt(tokenizer, text="Tell me a long story about a dragon and a knight."):
@@ -33,7 +25,7 @@ def test_generation_stays_within_budget(real, policy, parts):
     model, tokenizer = real
     encoded = _prompt(tokenizer)
     cache = make_cache(model, policy, **parts)
-    lengths = _Lengths(cache)
+    lengths = PhysicalLengthRecorder(cache)
     out = model.generate(
         **encoded,
         past_key_values=cache,
@@ -43,7 +35,7 @@ def test_generation_stays_within_budget(real, policy, parts):
         logits_processor=LogitsProcessorList([lengths]),
     )
     assert out.shape[1] - encoded["input_ids"].shape[1] == 300
-    assert len(lengths.seen) == 300 and max(lengths.seen) <= 256
+    assert len(lengths.lengths) == 300 and max(lengths.lengths) <= 256
     assert cache.get_seq_length() > 256
 
 
