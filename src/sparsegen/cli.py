@@ -15,7 +15,7 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Speed and memory benchmarks, side by side with baselines.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-eval_app = typer.Typer(help="Evaluation: windowed perplexity.", no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluation: windowed perplexity, zero-shot accuracy.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
@@ -279,6 +279,32 @@ def prune_quality_command(
     out.print((out_dir / "prune_quality.md").read_text())
 
 
+@bench_app.command("zeroshot")
+def bench_zeroshot_command(
+    model: str = ModelOpt,
+    tasks: str = typer.Option(None, "--tasks", help="Comma-separated offline tasks [default: all eight]."),
+    limit: int | None = typer.Option(100, "--limit", help="First N items of each task (0 = all)."),
+    share: float = typer.Option(0.2, "--share", help="KV budget as a share of each request."),
+    n_samples: int = typer.Option(32, "--n-samples", help="Calibration samples for pruning."),
+    seqlen: int = typer.Option(512, "--seqlen", help="Calibration sample length."),
+    out_dir: Path = typer.Option(Path("results/bench_zeroshot"), "--out"),
+) -> None:
+    """Zero-shot tables: pruning methods at 50% and 2:4 (Wanda's), KV policies at 20% (H2O's)."""
+    from sparsegen.bench.zeroshot import bench_zeroshot
+
+    bench_zeroshot(
+        model,
+        [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+        limit or None,
+        share,
+        n_samples=n_samples,
+        seqlen=seqlen,
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_zeroshot.md").read_text())
+
+
 @app.command("prune")
 def prune_command(
     model: str = ModelOpt,
@@ -336,6 +362,64 @@ def eval_ppl(
     out.print(f"perplexity {result.ppl:.3f} ({result.windows} windows x {seqlen} tokens of {text})")
     if json_out is not None:
         write_json(json_out, summary)
+
+
+def count_or_share(value: str | None) -> int | float | None:
+    """A budget option: an int is a token count, a float in (0, 1) a share of each request."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        share = float(value)
+    except ValueError:
+        raise SparsegenError(f"{value!r} is not a token count (int) or a share of the request (float)") from None
+    if not 0 < share < 1:
+        raise SparsegenError(f"a budget share must be in (0, 1), got {share}")
+    return share
+
+
+@eval_app.command("zeroshot")
+def eval_zeroshot(
+    model: str = ModelOpt,
+    tasks: str = typer.Option(None, "--tasks", help="Comma-separated offline tasks [default: all eight]."),
+    policy: str = typer.Option("full", "--policy", help="KV policy each request is scored through."),
+    budget: str | None = typer.Option(None, "--budget", help="Total KV budget: tokens (int) or share (0.2)."),
+    sinks: int | None = SinksOpt,
+    heavy: str | None = typer.Option(None, "--heavy", help="Heavy hitters: tokens or share of the request."),
+    recent: str | None = typer.Option(None, "--recent", help="Recent tokens: tokens or share of the request."),
+    position: str | None = PositionOpt,
+    chunk: int | None = typer.Option(None, "--chunk", help="Read each context this many tokens at a time."),
+    limit: int | None = typer.Option(None, "--limit", help="First N items of each task."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Requests per forward (without a KV policy)."),
+    out_dir: Path = typer.Option(Path("results/zeroshot"), "--out"),
+) -> None:
+    """Zero-shot accuracy with lm-eval's prompts and metrics on offline task data (resumable)."""
+    from sparsegen.eval.harness import SparsegenLM
+    from sparsegen.eval.tasks import TASKS, check_tasks
+    from sparsegen.eval.zeroshot import ZEROSHOT_COLUMNS, summary_rows, zeroshot_job
+    from sparsegen.report import table
+
+    names = check_tasks([t.strip() for t in tasks.split(",") if t.strip()] if tasks else list(TASKS))
+    lm = SparsegenLM(
+        model=model,
+        policy=policy,
+        budget=count_or_share(budget),
+        sinks=sinks,
+        heavy=count_or_share(heavy),
+        recent=count_or_share(recent),
+        position=position,
+        chunk=chunk,
+        batch_size=batch_size,
+    )
+    summary = zeroshot_job(
+        lm, names, out_dir, limit, label={"model": model}, progress=lambda msg: err.print(f"[dim]{msg}[/]")
+    )
+    title = f"{model} · {lm.policy}" + (f" · limit {limit}" if limit else "")
+    out.print(table(summary_rows(summary), ZEROSHOT_COLUMNS, title=title))
+    out.print(f"wrote {out_dir}/results.json")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -56,6 +57,9 @@ def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
     gguf_path.unlink()
 
 
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Return what `from_pretrained` should read: a cached folder for embedded names, else the input."""
     if name_or_path in EMBEDDED_MODELS:
@@ -67,6 +71,11 @@ def resolve_model_path(name_or_path: str) -> str:
             raise SparsegenError(
                 f"{path} is not a transformers model folder (no config.json). Pass a folder saved with "
                 f"save_pretrained, or one of: {', '.join(EMBEDDED_MODELS)}."
+            )
+        if not any(any(path.glob(pattern)) for pattern in _WEIGHT_FILES):
+            raise SparsegenError(
+                f"{path} has a config.json but no weights ({', '.join(_WEIGHT_FILES)}): copy the weight files "
+                "into it, or save the model again with save_pretrained"
             )
         return str(path)
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
@@ -120,6 +129,10 @@ def load(
         tokenizer = AutoTokenizer.from_pretrained(source)
         with _quiet_loading():
             model = _from_pretrained(source, kwargs)
+    except SafetensorError as exc:
+        raise SparsegenError(
+            f"the weights of {name_or_path!r} are truncated or corrupt ({exc}): copy or save them again"
+        ) from None
     except OSError as exc:
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
         hint = "it is not in the local hub cache (HF_HUB_OFFLINE=1)" if offline else "the hub is unreachable"

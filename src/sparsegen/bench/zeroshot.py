@@ -1,0 +1,139 @@
+"""`sparsegen bench zeroshot`: the seeds' zero-shot tables on this project's models, in one run.
+
+(a) Wanda's table: dense, magnitude, Wanda and SparseGPT at 50% unstructured and 2:4, per task
+and the mean; beside it lm-eval's own transformers backend on the dense model, the cross-check.
+(b) H2O's lm-eval figure: the full cache against h2o, streaming and window at a share of each
+request. Every row is resumable (`zeroshot_job` writes each task as it finishes).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from sparsegen.bench.measure import run_meta
+from sparsegen.eval.zeroshot import zeroshot_job
+from sparsegen.ioutil import write_json, write_text
+from sparsegen.report import markdown_table
+
+PRUNE_ROWS = [
+    ("dense", None),
+    ("magnitude", "unstructured"),
+    ("wanda", "unstructured"),
+    ("sparsegpt", "unstructured"),
+    ("magnitude", "2:4"),
+    ("wanda", "2:4"),
+    ("sparsegpt", "2:4"),
+]
+KV_POLICIES = ("h2o", "streaming", "window")
+
+
+def _done(folder: Path, tasks: list[str]) -> dict | None:
+    """The saved summary of a finished row, so a rerun skips its pruning too."""
+    path = folder / "results.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if list(summary["tasks"]) == tasks else None
+
+
+def _row(label: dict, summary: dict) -> dict:
+    return {**label, **{t: m["acc"] for t, m in summary["tasks"].items()}, "mean": summary["mean_acc"]}
+
+
+def bench_zeroshot(
+    model_name: str = "smollm2-135m",
+    tasks: list[str] | None = None,
+    limit: int | None = 100,
+    share: float = 0.2,
+    calib_text: str = "shakespeare",
+    n_samples: int = 32,
+    seqlen: int = 512,
+    batch_size: int = 8,
+    out: Path = Path("results/bench_zeroshot"),
+    progress=print,
+) -> dict:
+    from lm_eval.models.huggingface import HFLM
+
+    from sparsegen.data import calibration_samples, load_text
+    from sparsegen.eval.harness import SparsegenLM
+    from sparsegen.eval.tasks import TASKS, check_tasks
+    from sparsegen.models import load, resolve_model_path
+    from sparsegen.prune import prune
+
+    tasks = check_tasks(tasks or list(TASKS))
+    started = time.perf_counter()
+    calibration = None
+
+    def run(folder: Path, label: dict, make_lm) -> dict:
+        summary = _done(folder, tasks)
+        if summary is None:
+            progress(f"{' '.join(str(v) for v in label.values())}")
+            summary = zeroshot_job(
+                make_lm(), tasks, folder, limit, label={"model": model_name, **label}, progress=progress
+            )
+        return _row(label, summary)
+
+    def pruned_lm(method: str, pattern: str | None):
+        nonlocal calibration
+        model, tokenizer = load(model_name)
+        if method != "dense":
+            if calibration is None:
+                calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
+            prune(
+                model,
+                method,
+                0.5,
+                None if pattern == "unstructured" else pattern,
+                calibration=calibration,
+                progress=False,
+            )
+        return SparsegenLM(loaded=(model, tokenizer), batch_size=batch_size)
+
+    pruning = [
+        run(
+            out / "prune" / f"{method}-{(pattern or 'none').replace(':', 'of')}",
+            {"method": method, "pattern": pattern},
+            lambda m=method, p=pattern: pruned_lm(m, p),
+        )
+        for method, pattern in PRUNE_ROWS
+    ]
+    pruning.append(
+        run(
+            out / "prune" / "lm-eval-hf",
+            {"method": "dense (lm-eval hf backend)", "pattern": None},
+            lambda: HFLM(pretrained=resolve_model_path(model_name), device="cpu", batch_size=batch_size),
+        )
+    )
+    loaded = load(model_name)
+    # The full cache is the dense model of the pruning table: its row is reused, not recomputed.
+    kv = [{**pruning[0], "method": None, "pattern": None, "policy": "full", "budget": None}] + [
+        run(
+            out / "kv" / policy,
+            {"policy": policy, "budget": share},
+            lambda p=policy: SparsegenLM(loaded=loaded, policy=p, budget=share, sinks=4 if "streaming" in p else None),
+        )
+        for policy in KV_POLICIES
+    ]
+    result = run_meta(
+        model=model_name,
+        tasks=tasks,
+        limit=limit,
+        share=share,
+        calibration=f"{n_samples}x{seqlen}",
+        calib_text=calib_text,
+        pruning=pruning,
+        kv=kv,
+        seconds=round(time.perf_counter() - started),
+    )
+    write_json(out / "bench_zeroshot.json", result)
+    task_columns = [(t, t) for t in tasks] + [("mean", "mean")]
+    write_text(
+        out / "bench_zeroshot.md",
+        f"Weight sparsity at 50% (acc, {limit or 'all'} items per task)\n\n"
+        + markdown_table(pruning, [("method", "method"), ("pattern", "pattern"), *task_columns])
+        + f"\nKV policies at {share:.0%} of each request (acc)\n\n"
+        + markdown_table(kv, [("policy", "policy"), ("budget", "budget"), *task_columns]),
+    )
+    return result

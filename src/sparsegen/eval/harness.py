@@ -1,0 +1,154 @@
+"""sparsegen models inside EleutherAI's lm-evaluation-harness, registered as `model="sparsegen"`.
+
+Importing this module registers the model class, after which
+
+    lm_eval.simple_evaluate(model="sparsegen", model_args="model=DIR,policy=h2o,budget=0.2", ...)
+
+scores a dense model, a pruned checkpoint (dense or `--compressed`) or a KV policy. Without a
+policy (or with `policy=full`) scoring is lm-eval's own transformers path, batched. With a policy,
+each request is scored the way that policy would decode it: the context except its last token is
+read (in `chunk`-token pieces if given, else in one pass) into a policy cache, which evicts down to
+its budget; then the last context token and the continuation are read in one step over the
+compressed cache, so every scored token is predicted from what the policy kept, never from a dense
+pass. Budgets that are floats are shares of each request's context (H2O's "20% cache").
+"""
+
+from __future__ import annotations
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from tqdm.auto import tqdm
+
+from sparsegen.errors import SparsegenError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_budget(
+    policy: str, context_length: int, budget: int | float | None, parts: dict[str, int | float]
+) -> dict[str, int]:
+    """Token counts of a policy's budget for one request; float shares are of `context_length`.
+
+    Each part given as a share keeps at least one token, so short requests stay scorable.
+    """
+    from sparsegen.kv import split_budget
+
+    def count(value: int | float) -> int:
+        return max(1, int(value * context_length)) if isinstance(value, float) else int(value)
+
+    if budget is None:
+        return {name: count(value) for name, value in parts.items()}
+    total = max(count(budget), 2)
+    sinks = parts.get("sinks")
+    if sinks is not None and policy != "window":
+        sinks = min(int(sinks), total // 2)  # a short request still keeps some recent tokens
+    return split_budget(policy, total, sinks)
+
+
+@register_model("sparsegen")
+class SparsegenLM(HFLM):
+    """An lm-eval model over `sparsegen.load()`, optionally decoding through a KV policy.
+
+    `model`: an embedded name, a model folder or a pruned checkpoint. `policy`: a KV policy name
+    (`full` = no eviction); `budget` (total) or `sinks`/`heavy`/`recent` (parts), each an int count
+    or a float share of the request's context. `chunk`: read the context this many tokens at a time.
+    A ready `(model, tokenizer)` can be passed as `loaded` from Python.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        policy: str = "full",
+        budget: int | float | None = None,
+        sinks: int | None = None,
+        heavy: int | float | None = None,
+        recent: int | float | None = None,
+        position: str | None = None,
+        chunk: int | None = None,
+        dtype: str = "float32",
+        batch_size: int | str = 1,
+        loaded: tuple | None = None,
+        **kwargs,
+    ) -> None:
+        from sparsegen.kv import POLICIES
+        from sparsegen.models import load
+
+        if policy not in POLICIES:
+            raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
+        if dtype not in _DTYPES:
+            raise SparsegenError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        if chunk is not None and chunk < 1:
+            raise SparsegenError(f"chunk must be >= 1, got {chunk}")
+        network, tokenizer = loaded if loaded is not None else load(model, dtype=_DTYPES[dtype])
+        for option in ("device", "max_batch_size"):
+            kwargs.pop(option, None)  # lm-eval passes these; the model is already placed
+        self.policy = policy
+        self.budget = budget
+        self.parts = {k: v for k, v in (("sinks", sinks), ("heavy", heavy), ("recent", recent)) if v is not None}
+        self.position = position
+        self.chunk = chunk
+        # A policy cache scores one request at a time (each has its own budget), so no padding.
+        super().__init__(
+            pretrained=network,
+            tokenizer=tokenizer,
+            batch_size=1 if self.uses_policy else batch_size,
+            **kwargs,
+        )
+
+    @property
+    def uses_policy(self) -> bool:
+        return self.policy != "full"
+
+    def settings(self) -> dict:
+        """What this model scores with, recorded beside its results."""
+        return {
+            "policy": self.policy,
+            "budget": self.budget,
+            **self.parts,
+            "position": self.position,
+            "chunk": self.chunk,
+        }
+
+    def _make_cache(self, context_length: int):
+        from sparsegen.kv import make_cache
+
+        counts = resolve_budget(self.policy, context_length, self.budget, self.parts)
+        return make_cache(self.model, self.policy, position=self.position, **counts)
+
+    @torch.inference_mode()
+    def policy_logits(self, tokens: list[int], read: int) -> torch.Tensor:
+        """Logits [n - read, vocab] of `tokens[read:]`, after `tokens[:read]` went through a policy cache."""
+        ids = torch.tensor(tokens, device=self.device)[None]
+        cache = self._make_cache(max(read, 1))
+        step = self.chunk or max(read, 1)
+        for start in range(0, read, step):
+            self.model(input_ids=ids[:, start : min(read, start + step)], past_key_values=cache, use_cache=True)
+        return self.model(input_ids=ids[:, read:], past_key_values=cache, use_cache=True).logits[0].float()
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        if not self.uses_policy:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        results = []
+        for request, context_enc, continuation_enc in tqdm(
+            requests, disable=disable_tqdm or self.rank != 0, desc=f"Scoring through {self.policy}"
+        ):
+            tokens = (context_enc + continuation_enc)[-(self.max_length + 1) :]
+            inputs = tokens[:-1]
+            context_length = len(tokens) - len(continuation_enc)
+            logits = self.policy_logits(inputs, read=context_length - 1)
+            logprobs = logits[-len(continuation_enc) :].log_softmax(-1)
+            target = torch.tensor(continuation_enc, device=logprobs.device)
+            answer = (
+                float(logprobs.gather(1, target[:, None]).sum()),
+                bool((logprobs.argmax(-1) == target).all()),
+            )
+            results.append(answer)
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+        return results
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        if self.uses_policy:
+            generation_kwargs["past_key_values"] = self._make_cache(context.shape[1])
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
