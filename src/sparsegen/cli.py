@@ -198,6 +198,33 @@ def chat(
     err.print(f"transcript: {path}")
 
 
+@app.command()
+def serve(
+    model: str = ModelOpt,
+    policy: str = typer.Option("streaming", "--policy", help="KV policy of every conversation."),
+    budget: int | None = typer.Option(1024, "--budget", help="Total KV budget per conversation, in tokens."),
+    sinks: int | None = SinksOpt,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    max_kv_mb: int = typer.Option(1024, "--max-kv-mb", help="Memory cap of held conversations (LRU dropped)."),
+    max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
+) -> None:
+    """OpenAI-compatible server (chat and completions, streaming) with a bounded KV cache per conversation."""
+    import uvicorn
+
+    from sparsegen.serve import build_app
+
+    application = build_app(
+        model,
+        policy,
+        budget_parts(policy, budget, sinks, None, None),
+        max_kv_bytes=max_kv_mb << 20,
+        max_tokens_limit=max_tokens_limit,
+    )
+    err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
+    uvicorn.run(application, host=host, port=port, log_level="warning")
+
+
 @bench_app.command("kv")
 def bench_kv_command(
     model: str = ModelOpt,

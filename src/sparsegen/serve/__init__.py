@@ -1,0 +1,32 @@
+"""An OpenAI-compatible server whose KV memory stays bounded however long the conversation."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from sparsegen.serve.api import create_app
+from sparsegen.serve.engine import Engine, Job
+
+__all__ = ["Engine", "Job", "build_app", "create_app"]
+
+
+def build_app(
+    model: str | tuple = "smollm2-135m",
+    policy: str = "streaming",
+    budget: dict | None = None,
+    model_id: str | None = None,
+    max_kv_bytes: int = 1 << 30,
+    max_tokens_limit: int = 4096,
+) -> FastAPI:
+    """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
+
+    Only the unbounded `full` policy caps prompt + answer at the model's positions; bounded
+    policies take conversations of any length.
+    """
+    from sparsegen.models import load
+
+    network, tokenizer = load(model) if isinstance(model, str) else model
+    engine = Engine(network, tokenizer, policy, budget, max_kv_bytes=max_kv_bytes)
+    limit = network.config.get_text_config(decoder=True).max_position_embeddings if policy == "full" else None
+    name = model_id or (model if isinstance(model, str) else "sparsegen")
+    return create_app(engine, name, max_tokens_limit=max_tokens_limit, context_limit=limit)
