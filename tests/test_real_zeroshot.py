@@ -30,7 +30,7 @@ def test_dense_accuracy_equals_lm_evals_transformers_backend(real):
     assert _evaluate(ours)["acc,none"] == pytest.approx(_evaluate(hf)["acc,none"], abs=1e-9)
 
 
-def test_a_pruned_checkpoint_and_an_h2o_cache_run_through_simple_evaluate(tmp_path):
+def test_a_pruned_checkpoint_and_an_h2o_cache_run_through_simple_evaluate_and_the_cli(monkeypatch, capsys, tmp_path):
     model, tokenizer = sparsegen.load()
     report = prune(model, "magnitude", 0.5, progress=False)
     save_pruned(model, tokenizer, tmp_path / "pruned", report, compressed=True)
@@ -38,6 +38,10 @@ def test_a_pruned_checkpoint_and_an_h2o_cache_run_through_simple_evaluate(tmp_pa
     h2o = _evaluate("sparsegen", model_args="policy=h2o,heavy=0.1,recent=0.1")
     for result in (pruned, h2o):
         assert 0 <= result["acc,none"] <= 1 and result["acc_stderr,none"] > 0
+    args = ["eval", "zeroshot", "--model", tmp_path / "pruned", "--tasks", "copa", "--limit", "12"]
+    code, _, _ = run_cli(monkeypatch, capsys, *args, "--out", tmp_path / "cli")
+    summary = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert code == 0 and summary["tasks"]["copa"]["acc"] == pytest.approx(pruned["acc,none"])
 
 
 def test_eval_zeroshot_command_writes_results_and_resumes(monkeypatch, capsys, tmp_path):
