@@ -1,40 +1,133 @@
-"""Brute-force references for KV policies: plain Python over explicit sets of positions."""
+"""The one table of KV policies the tests run over, and a brute-force reference for each.
+
+A row gives a policy's small budget (evicts in the tests), a large one (covers any test text, so
+the policy must equal the dense model), how to draw random budgets, and its reference: plain
+Python over explicit sets of positions, attention computed naively per query. Adding a policy
+adds one row here.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 
-def reference_priority(
-    policy: str, pos: int, score: float, length: int, sinks: int, recent: int, normalize: bool
-) -> float:
-    if policy in ("streaming", "streaming_h2o") and pos < sinks:
+@dataclass
+class Ref:
+    """A policy in plain Python: how scores follow each step's attention, and keep-priorities."""
+
+    priority: Callable  # (pos, score, key, cache) -> float; higher is kept
+    update: Callable = lambda scores, received, cache: None  # received: one {pos: prob} per new query
+    prefill_only: bool = False
+
+
+@dataclass
+class Row:
+    small: dict
+    large: dict
+    draw: Callable  # (sinks, heavy, recent) -> budget parts, for property tests
+    ref: Ref | None = None
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def bounded(self) -> bool:
+        """Stays within its budget while decoding (prefill-only policies keep every new token)."""
+        return self.ref is not None and not self.ref.prefill_only
+
+
+def _accumulate(scores, received, cache):
+    for row in received:
+        for pos, prob in row.items():
+            scores[pos] += prob
+
+
+def _last_query(scores, received, cache):
+    for pos in scores:
+        scores[pos] = received[-1].get(pos, 0.0)
+
+
+def _snapkv_scores(scores, received, cache):
+    window = received[-min(cache.sizes["recent"], len(received)) :]
+    order = sorted(scores)
+    summed = [sum(row.get(pos, 0.0) for row in window) for pos in order]
+    half = cache.settings.get("kernel", 5) // 2
+    for i, pos in enumerate(order):
+        scores[pos] = sum(summed[j] for j in range(i - half, i + half + 1) if 0 <= j < len(order)) / (2 * half + 1)
+
+
+def _recent(pos, cache):
+    return pos >= cache.length - cache.sizes.get("recent", 0)
+
+
+def _sink(pos, cache):
+    return pos < cache.sizes.get("sinks", 0)
+
+
+def _h2o(pos, score, key, cache):
+    if _sink(pos, cache) or _recent(pos, cache):
         return math.inf
-    if policy == "window" or policy == "streaming":
-        return float(pos)
-    if pos >= length - recent:
-        return math.inf
-    return score / (length - pos) if normalize else score
+    return score / (cache.length - pos) if cache.settings.get("normalize") else score
+
+
+TABLE: dict[str, Row] = {
+    "full": Row({}, {}, lambda s, h, r: {}),
+    "window": Row(
+        {"recent": 5}, {"recent": 500}, lambda s, h, r: {"recent": r}, Ref(lambda pos, score, key, cache: float(pos))
+    ),
+    "streaming": Row(
+        {"sinks": 2, "recent": 4},
+        {"sinks": 4, "recent": 500},
+        lambda s, h, r: {"sinks": s, "recent": r},
+        Ref(lambda pos, score, key, cache: math.inf if _sink(pos, cache) else float(pos)),
+    ),
+    "h2o": Row(
+        {"heavy": 3, "recent": 3},
+        {"heavy": 250, "recent": 250},
+        lambda s, h, r: {"heavy": h, "recent": r},
+        Ref(_h2o, _accumulate),
+    ),
+    "streaming_h2o": Row(
+        {"sinks": 1, "heavy": 3, "recent": 2},
+        {"sinks": 4, "heavy": 250, "recent": 250},
+        lambda s, h, r: {"sinks": s, "heavy": h, "recent": r},
+        Ref(_h2o, _accumulate),
+    ),
+    "tova": Row(
+        {"heavy": 5},
+        {"heavy": 500},
+        lambda s, h, r: {"heavy": h + r},
+        Ref(lambda pos, score, key, cache: score, _last_query),
+    ),
+    "snapkv": Row(
+        {"heavy": 3, "recent": 3},
+        {"heavy": 500, "recent": 8},
+        lambda s, h, r: {"heavy": h, "recent": r},
+        Ref(lambda pos, score, key, cache: math.inf if _recent(pos, cache) else score, _snapkv_scores, True),
+    ),
+    "knorm": Row(
+        {"heavy": 5},
+        {"heavy": 500},
+        lambda s, h, r: {"heavy": h + r},
+        Ref(lambda pos, score, key, cache: -float(key.double().norm()), prefill_only=True),
+    ),
+}
+EVICTING = [name for name, row in TABLE.items() if row.ref is not None]
 
 
 class ReferenceCache:
-    """Keeps, per (batch, kv head), an explicit list of positions and accumulated attention.
+    """Keeps, per (batch, kv head), an explicit list of positions and a score per position."""
 
-    Attention is computed naively from the full key table: softmax(q k^T / sqrt(d)) of each new
-    query over the kept keys at or before its position, summed over the query heads of the group.
-    """
-
-    def __init__(
-        self, policy: str, sinks: int, heavy: int, recent: int, batch: int, kv_heads: int, normalize: bool = False
-    ) -> None:
-        self.policy, self.sinks, self.heavy, self.recent = policy, sinks, heavy, recent
-        self.budget = sinks + heavy + recent
-        self.normalize = normalize
+    def __init__(self, policy: str, sizes: dict, batch: int, kv_heads: int, settings: dict | None = None) -> None:
+        self.ref = TABLE[policy].ref
+        self.sizes, self.settings = sizes, settings or {}
+        self.budget = sum(sizes.values())
         self.kept = [[[] for _ in range(kv_heads)] for _ in range(batch)]
         self.scores = [[{} for _ in range(kv_heads)] for _ in range(batch)]
         self.length = 0
+        self.steps = 0
 
     def step(self, keys: torch.Tensor, queries: torch.Tensor) -> None:
         """keys: the full table [b, hkv, T, d] (new ones included); queries [b, hq, n, d] of the new tokens."""
@@ -43,14 +136,23 @@ class ReferenceCache:
         group = hq // hkv
         new = list(range(self.length, self.length + n))
         self.length += n
+        self.steps += 1
+        if self.ref.prefill_only and self.steps > 1:
+            for b in range(b_count):
+                for h in range(hkv):
+                    self.kept[b][h].extend(new)
+                    self.scores[b][h].update(dict.fromkeys(new, 0.0))
+            return
         for b in range(b_count):
             for h in range(hkv):
                 kept, scores = self.kept[b][h], self.scores[b][h]
                 kept.extend(new)
                 for p in new:
                     scores[p] = 0.0
+                received = []
                 for i, p in enumerate(new):
                     visible = [k for k in kept if k <= p]
+                    row = dict.fromkeys(visible, 0.0)
                     for g in range(group):
                         q = queries[b, h * group + g, i].double()
                         logits = [float(q @ keys[b, h, k].double()) / math.sqrt(d) for k in visible]
@@ -58,13 +160,10 @@ class ReferenceCache:
                         weights = [math.exp(x - top) for x in logits]
                         total = sum(weights)
                         for k, w in zip(visible, weights, strict=True):
-                            scores[k] += w / total
+                            row[k] += w / total
+                    received.append(row)
+                self.ref.update(scores, received, self)
                 while len(kept) > self.budget:
-                    victim = min(
-                        kept,
-                        key=lambda k: reference_priority(
-                            self.policy, k, scores[k], self.length, self.sinks, self.recent, self.normalize
-                        ),
-                    )
+                    victim = min(kept, key=lambda k: self.ref.priority(k, scores[k], keys[b, h, k], self))
                     kept.remove(victim)
                     del scores[victim]

@@ -6,14 +6,9 @@ from transformers import DynamicCache
 
 from sparsegen.kv import make_cache, stream
 from tests.conftest import build_tiny
+from tests.kv_reference import TABLE
 
-LARGE = {
-    "full": {},
-    "window": {"recent": 500},
-    "streaming": {"sinks": 4, "recent": 500},
-    "h2o": {"heavy": 250, "recent": 250},
-    "streaming_h2o": {"sinks": 4, "heavy": 250, "recent": 250},
-}
+LARGE = {name: row.large for name, row in TABLE.items()}
 
 
 def _generate(model, ids, cache, **kw):

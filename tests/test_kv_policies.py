@@ -8,42 +8,37 @@ from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessorList
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv import PolicyLayer, make_cache, make_policy, split_budget
-from sparsegen.kv.attention import attention_received, take_in_flight
+from sparsegen.kv import PolicyLayer, make_cache, make_policy
 from sparsegen.kv.rope import KeyRotation
 from tests.conftest import PhysicalLengthRecorder, build_tiny
-from tests.kv_reference import ReferenceCache
+from tests.kv_reference import EVICTING, TABLE, ReferenceCache
 
 B, HKV, GROUP, D = 2, 2, 2, 8
 
 
-def _drive(policy_name, parts, chunks, normalize=False, seed=0):
+def _drive(policy_name, parts, chunks, settings=None, seed=0):
     """Feed random keys/queries through a PolicyLayer and the brute-force reference side by side."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(chunks)
     keys = torch.randn(B, HKV, total, D, generator=gen, dtype=torch.float64).float()
     values = torch.randn(B, HKV, total, D, generator=gen)
     queries = torch.randn(B, HKV * GROUP, total, D, generator=gen)
-    kwargs = {"normalize": normalize} if policy_name in ("h2o", "streaming_h2o") else {}
-    policy = make_policy(policy_name, **parts, **kwargs)
-    layer = PolicyLayer(policy)
-    sizes = {"sinks": 0, "heavy": 0, "recent": 0, **parts}
-    ref = ReferenceCache(policy_name, sizes["sinks"], sizes["heavy"], sizes["recent"], B, HKV, normalize)
+    settings = settings or {}
+    layer = PolicyLayer(make_policy(policy_name, **parts, **settings))
+    ref = ReferenceCache(policy_name, parts, B, HKV, settings)
     start = 0
     for n in chunks:
         held_keys, _ = layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
-        take_in_flight()
-        q = queries[:, :, start : start + n]
-        layer.after_attention(attention_received(q, held_keys, D**-0.5) if policy.needs_scores else None)
-        ref.step(keys, q)
+        layer.after_attention(queries[:, :, start : start + n], held_keys, D**-0.5)
+        ref.step(keys, queries[:, :, start : start + n])
         start += n
-        assert layer.size <= ref.budget
+        if TABLE[policy_name].bounded:
+            assert layer.size <= ref.budget
         held = layer.held_positions()
         for b in range(B):
             for h in range(HKV):
                 assert held[b, h].tolist() == sorted(ref.kept[b][h]), (b, h, start)
-        if policy.needs_scores:
-            _check_scores(layer, ref)
+        _check_scores(layer, ref)
     return layer, ref
 
 
@@ -58,31 +53,23 @@ def _check_scores(layer, ref):
                 assert layer.scores[b, h, slot].item() == pytest.approx(ref.scores[b][h][pos], rel=1e-4, abs=1e-5)
 
 
-CASES = {
-    "window": {"recent": 5},
-    "streaming": {"sinks": 2, "recent": 4},
-    "h2o": {"heavy": 3, "recent": 3},
-    "streaming_h2o": {"sinks": 1, "heavy": 3, "recent": 2},
-}
-
-
-@pytest.mark.parametrize("policy", list(CASES))
+@pytest.mark.parametrize("policy", EVICTING)
 def test_kept_sets_match_brute_force_token_by_token(policy):
-    _drive(policy, CASES[policy], [1] * 30)
+    _drive(policy, TABLE[policy].small, [1] * 30)
 
 
-@pytest.mark.parametrize("policy", list(CASES))
+@pytest.mark.parametrize("policy", EVICTING)
 def test_kept_sets_match_brute_force_with_prefill_and_chunks(policy):
-    _drive(policy, CASES[policy], [12, 1, 1, 3, 1, 7, 1, 1, 2])
+    _drive(policy, TABLE[policy].small, [12, 1, 1, 3, 1, 7, 1, 1, 2])
 
 
 def test_normalized_h2o_matches_brute_force():
-    _drive("h2o", {"heavy": 4, "recent": 2}, [9, 1, 1, 1, 4, 1, 1, 1, 1], normalize=True)
+    _drive("h2o", {"heavy": 4, "recent": 2}, [9, 1, 1, 1, 4, 1, 1, 1, 1], settings={"normalize": True})
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    policy=st.sampled_from(list(CASES)),
+    policy=st.sampled_from(EVICTING),
     sinks=st.integers(1, 3),
     heavy=st.integers(0, 4),
     recent=st.integers(1, 5),
@@ -90,33 +77,27 @@ def test_normalized_h2o_matches_brute_force():
     seed=st.integers(0, 10_000),
 )
 def test_property_kept_sets_and_bounds(policy, sinks, heavy, recent, chunks, seed):
-    parts = {
-        "window": {"recent": recent},
-        "streaming": {"sinks": sinks, "recent": recent},
-        "h2o": {"heavy": heavy, "recent": recent},
-        "streaming_h2o": {"sinks": sinks, "heavy": heavy, "recent": recent},
-    }[policy]
-    _drive(policy, parts, chunks, seed=seed)
+    _drive(policy, TABLE[policy].draw(sinks, heavy, recent), chunks, seed=seed)
 
 
-def test_rolling_keys_equal_rope_recomputed_at_cache_positions():
+@pytest.mark.parametrize("policy", EVICTING)
+def test_rolling_keys_equal_rope_recomputed_at_cache_positions(policy):
     """Attention logits under rolling positions equal RoPE applied from scratch at positions 0..size-1."""
     model = build_tiny("llama")
     rotary = model.model.rotary_emb
     gen = torch.Generator().manual_seed(0)
-    total, sinks, recent = 40, 3, 6
+    total = 40
     raw_keys = torch.randn(1, 2, total, 16, generator=gen)
     positions = torch.arange(total)[None]
     cos, sin = rotary(raw_keys, positions)
     _, rotated = apply_rotary_pos_emb(raw_keys, raw_keys, cos, sin)
-    for policy, parts in (
-        ("streaming", {"sinks": sinks, "recent": recent}),
-        ("streaming_h2o", {"sinks": 2, "heavy": 3, "recent": 4}),
-    ):
-        layer = PolicyLayer(make_policy(policy, **parts), KeyRotation(rotary.inv_freq))
-        for t in range(total):
-            held_keys, _ = layer.update(rotated[:, :, t : t + 1], rotated[:, :, t : t + 1])
-            take_in_flight()
+    for chunks in ([1] * total, [9] + [1] * (total - 9)):
+        layer = PolicyLayer(make_policy(policy, **TABLE[policy].small), KeyRotation(rotary.inv_freq))
+        start = 0
+        for n in chunks:
+            t = start + n - 1
+            held_keys, _ = layer.update(rotated[:, :, start : t + 1], rotated[:, :, start : t + 1])
+            start += n
             # Positions within the cache: kept tokens in text order at 0..size-1, the query at size - 1 + 1.
             slot_positions = layer.positions[:, :, : layer.size]
             order = slot_positions.argsort(-1)
@@ -133,23 +114,15 @@ def test_rolling_keys_equal_rope_recomputed_at_cache_positions():
                 query_here, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos2, q_sin2)
                 ours = (query_here[:, h : h + 1] @ held_keys[:, h : h + 1, order[0, h]].transpose(-1, -2))[0, 0, 0]
                 torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
-            received = torch.rand(1, 2, size, generator=gen)
-            layer.after_attention(received if layer.policy.needs_scores else None)
+            layer.after_attention(torch.randn(1, 2, n, 16, generator=gen), held_keys, 0.25)
 
 
-@pytest.mark.parametrize(
-    "policy,parts,budget",
-    [
-        ("window", {"recent": 16}, 16),
-        ("streaming", {"sinks": 4, "recent": 12}, 16),
-        ("h2o", {"heavy": 8, "recent": 8}, 16),
-        ("streaming_h2o", {"sinks": 2, "heavy": 6, "recent": 8}, 16),
-    ],
-)
-def test_generate_keeps_physical_length_within_budget(arch, policy, parts, budget):
+@pytest.mark.parametrize("policy", EVICTING)
+def test_generate_keeps_physical_length_within_budget(arch, policy):
     model = build_tiny(arch)
     ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(0))
-    cache = make_cache(model, policy, **parts)
+    budget = 16
+    cache = make_cache(model, policy, budget=budget)
     recorder = PhysicalLengthRecorder(cache)
     model.generate(
         ids,
@@ -161,6 +134,9 @@ def test_generate_keeps_physical_length_within_budget(arch, policy, parts, budge
         logits_processor=LogitsProcessorList([recorder]),
     )
     lengths = [n if isinstance(n, int) else max(n) for n in recorder.lengths]
+    if not TABLE[policy].bounded:  # compressed once after the prompt, then every new token is kept
+        assert lengths == [budget + step for step in range(40)]
+        return
     assert len(lengths) == 40 and max(lengths) <= budget
     for layer in cache.policy_layers():
         held = layer.held_positions()
@@ -171,7 +147,8 @@ def test_generate_keeps_physical_length_within_budget(arch, policy, parts, budge
             assert held[0, 0].tolist() == [0, 1, 2, 3, *range(69 - 12, 69)]
 
 
-def test_batch_rows_match_single_row_runs():
+@pytest.mark.parametrize("policy", EVICTING)
+def test_batch_rows_match_single_row_runs(policy):
     model = build_tiny("mistral")
     ids = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(9))
     batch = model.generate(
@@ -180,7 +157,7 @@ def test_batch_rows_match_single_row_runs():
         max_new_tokens=15,
         do_sample=False,
         pad_token_id=0,
-        past_key_values=make_cache(model, "h2o", heavy=5, recent=5),
+        past_key_values=make_cache(model, policy, **TABLE[policy].small),
     )
     for row in range(3):
         single = model.generate(
@@ -188,12 +165,14 @@ def test_batch_rows_match_single_row_runs():
             max_new_tokens=15,
             do_sample=False,
             pad_token_id=0,
-            past_key_values=make_cache(model, "h2o", heavy=5, recent=5),
+            past_key_values=make_cache(model, policy, **TABLE[policy].small),
         )
-        assert torch.equal(batch[row], single[0])
+        length = single.shape[1]  # a row that met the end token is padded in the batch
+        assert torch.equal(batch[row, :length], single[0]) and (batch[row, length:] == 0).all()
 
 
-def test_padded_batch_is_refused():
+@pytest.mark.parametrize("policy", EVICTING)
+def test_padded_batch_is_refused(policy):
     model = build_tiny("llama")
     ids = torch.randint(3, 96, (2, 10))
     mask = torch.ones_like(ids)
@@ -202,7 +181,7 @@ def test_padded_batch_is_refused():
         model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=make_cache(model, "streaming", sinks=2, recent=4),
+            past_key_values=make_cache(model, policy, **TABLE[policy].small),
             max_new_tokens=3,
             pad_token_id=0,
         )
@@ -228,11 +207,14 @@ def test_unsupported_attention_implementation_is_refused():
         (lambda: make_policy("h2o", heavy=0, recent=0), "heavy \\+ recent > 0"),
         (lambda: make_policy("streaming_h2o", sinks=4, heavy=0, recent=0), "heavy \\+ recent > 0"),
         (lambda: make_policy("streaming", sinks=4, recent=0), "recent > 0"),
-        (lambda: split_budget("streaming", 4, sinks=4), "sinks \\(4\\) must be smaller than the budget \\(4\\)"),
-        (lambda: split_budget("streaming_h2o", 3, sinks=8), "must be smaller than the budget"),
+        (lambda: make_policy("streaming", budget=4, sinks=4), "sinks \\(4\\) must be smaller than the budget \\(4\\)"),
+        (lambda: make_policy("streaming_h2o", budget=3, sinks=8), "must be smaller than the budget"),
+        (lambda: make_policy("window", budget=8, sinks=2), "keeps no sinks"),
+        (lambda: make_policy("snapkv", kernel=4), "odd kernel"),
+        (lambda: make_policy("tova", heavy=8, recent=2), "unexpected keyword argument 'recent'"),
         (lambda: make_policy("h2o", heavy=1.5, recent=0.1), "ratio of the prompt and must be < 1"),
         (lambda: make_policy("nope"), "unknown KV policy 'nope'"),
-        (lambda: make_policy("window", budget=0), "budget must be > 0"),
+        (lambda: make_policy("window", budget=0), "budget must be an int > 0"),
         (lambda: make_policy("window", recent="8"), "must be a number"),
     ],
 )

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv import POLICIES, settings_help
 
 app = typer.Typer(
     help="Cheaper and longer LLM generation through sparsity.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -21,7 +22,8 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder or hub id.")
-PolicyOpt = typer.Option("full", "--policy", help="KV policy: full, window, streaming, h2o, streaming_h2o.")
+POLICY_HELP = f"KV policy. {settings_help()}."
+PolicyOpt = typer.Option("full", "--policy", help=POLICY_HELP)
 BudgetOpt = typer.Option(None, "--budget", help="Total KV budget in tokens (split as the policy needs).")
 SinksOpt = typer.Option(None, "--sinks", help="Initial tokens always kept (streaming policies).")
 RecentOpt = typer.Option(None, "--recent", help="Most recent tokens kept.")
@@ -29,10 +31,8 @@ HeavyOpt = typer.Option(None, "--heavy", help="Heavy-hitter tokens kept (h2o pol
 PositionOpt = typer.Option(None, "--position", help="original or rolling (default: the policy's).")
 
 
-def budget_parts(policy: str, budget: int | None, sinks: int | None, recent: int | None, heavy: int | None) -> dict:
-    """The budget keywords for make_cache from the CLI options."""
-    if policy == "full":
-        return {}
+def budget_parts(budget: int | None, sinks: int | None, recent: int | None, heavy: int | None) -> dict:
+    """The budget keywords for make_cache from the CLI options (a total, or the parts given)."""
     parts = {k: v for k, v in (("sinks", sinks), ("recent", recent), ("heavy", heavy)) if v is not None}
     if budget is not None:
         return {"budget": budget, **({"sinks": sinks} if sinks is not None else {})}
@@ -89,7 +89,7 @@ def generate(
         )
     else:
         encoded = tokenizer(prompt, return_tensors="pt")
-    cache = make_cache(loaded, policy, position=position, **budget_parts(policy, budget, sinks, recent, heavy))
+    cache = make_cache(loaded, policy, position=position, **budget_parts(budget, sinks, recent, heavy))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     loaded.generate(
@@ -109,7 +109,8 @@ def stream(
     policies: str = typer.Option(
         "full,window,streaming,h2o,streaming_h2o",
         "--policies",
-        help="Comma-separated; full is always run as the reference, up to the model's window.",
+        help=f"Comma-separated, of {', '.join(sorted(POLICIES))}; full always runs as the reference, up to the "
+        "model's window.",
     ),
     budget: int | None = typer.Option(None, "--budget", help="Total KV budget per policy [default: 1024]."),
     sinks: int | None = SinksOpt,
@@ -140,7 +141,7 @@ def stream(
 @app.command()
 def chat(
     model: str = ModelOpt,
-    policy: str = typer.Option("streaming", "--policy", help="KV policy for the conversation."),
+    policy: str = typer.Option("streaming", "--policy", help=POLICY_HELP),
     budget: int | None = typer.Option(256, "--budget", help="Total KV budget in tokens."),
     sinks: int | None = SinksOpt,
     position: str | None = PositionOpt,
@@ -164,7 +165,7 @@ def chat(
         policy,
         position=position,
         max_new_tokens=max_new_tokens,
-        **budget_parts(policy, budget, sinks, None, None),
+        **budget_parts(budget, sinks, None, None),
     )
     if mtbench:
         turns = [turn for question in load_mtbench() for turn in question["turns"]][:mtbench]
@@ -201,7 +202,7 @@ def chat(
 @app.command()
 def serve(
     model: str = ModelOpt,
-    policy: str = typer.Option("streaming", "--policy", help="KV policy of every conversation."),
+    policy: str = typer.Option("streaming", "--policy", help=POLICY_HELP),
     budget: int | None = typer.Option(1024, "--budget", help="Total KV budget per conversation, in tokens."),
     sinks: int | None = SinksOpt,
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -217,7 +218,7 @@ def serve(
     application = build_app(
         model,
         policy,
-        budget_parts(policy, budget, sinks, None, None),
+        budget_parts(budget, sinks, None, None),
         max_kv_bytes=max_kv_mb << 20,
         max_tokens_limit=max_tokens_limit,
     )
@@ -412,7 +413,7 @@ def count_or_share(value: str | None) -> int | float | None:
 def eval_zeroshot(
     model: str = ModelOpt,
     tasks: str = typer.Option(None, "--tasks", help="Comma-separated offline tasks [default: all eight]."),
-    policy: str = typer.Option("full", "--policy", help="KV policy each request is scored through."),
+    policy: str = typer.Option("full", "--policy", help=POLICY_HELP),
     budget: str | None = typer.Option(None, "--budget", help="Total KV budget: tokens (int) or share (0.2)."),
     sinks: int | None = SinksOpt,
     heavy: str | None = typer.Option(None, "--heavy", help="Heavy hitters: tokens or share of the request."),

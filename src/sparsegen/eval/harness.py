@@ -32,7 +32,7 @@ def resolve_budget(
 
     Each part given as a share keeps at least one token, so short requests stay scorable.
     """
-    from sparsegen.kv import split_budget
+    from sparsegen.kv import POLICIES
 
     def count(value: int | float) -> int:
         return max(1, int(value * context_length)) if isinstance(value, float) else int(value)
@@ -41,9 +41,9 @@ def resolve_budget(
         return {name: count(value) for name, value in parts.items()}
     total = max(count(budget), 2)
     sinks = parts.get("sinks")
-    if sinks is not None and policy != "window":
+    if sinks is not None:
         sinks = min(int(sinks), total // 2)  # a short request still keeps some recent tokens
-    return split_budget(policy, total, sinks)
+    return POLICIES[policy].split(total, sinks)
 
 
 @register_model("sparsegen")

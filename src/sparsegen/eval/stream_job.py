@@ -12,7 +12,7 @@ from sparsegen.data import load_text, tokenize_long
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.streaming import PolicyRun, StreamResult, stream_compare
 from sparsegen.ioutil import write_json
-from sparsegen.kv import POLICIES, split_budget
+from sparsegen.kv import POLICIES
 from sparsegen.models import load
 from sparsegen.report import plot_lines, running_mean
 
@@ -52,15 +52,12 @@ def policy_runs(
                 )
             )
             continue
-        if budget is not None:
-            parts = split_budget(name, budget, sinks)
-        else:
-            total = (sinks or 0) + (recent or 0) + (heavy or 0)
-            if total == 0:
-                raise SparsegenError("give --budget or --sinks/--recent/--heavy")
-            parts = split_budget(name, total, sinks if name in ("streaming", "streaming_h2o") else None)
-            if name in ("streaming", "streaming_h2o") and sinks is None:
-                parts = split_budget(name, total, 0 if total <= 4 else 4)
+        total = budget if budget is not None else (sinks or 0) + (recent or 0) + (heavy or 0)
+        if total == 0:
+            raise SparsegenError("give --budget or --sinks/--recent/--heavy")
+        keeps_sinks = "sinks" in POLICIES[name].budget_parts()
+        chosen = (sinks if sinks is not None else (0 if total <= 4 else 4)) if keeps_sinks else None
+        parts = POLICIES[name].split(total, chosen)
         runs.append(PolicyRun(name, name, position=position, budget=parts))
     return runs
 

@@ -101,14 +101,8 @@ class _Runner:
         return self.cache.policy.describe()
 
     def state(self) -> dict:
-        layers = None
-        if self.cache is not None:
-            layers = [
-                {k: v for k, v in layer.__dict__.items() if k not in ("policy", "rotation")}
-                for layer in self.cache.layers
-            ]
         return {
-            "layers": layers,
+            "cache": self.cache.state_dict() if self.cache is not None else None,
             "seconds": self.seconds,
             "kv_bytes": self.kv_bytes,
             "kl_sum": self.kl_sum,
@@ -118,8 +112,7 @@ class _Runner:
 
     def restore(self, state: dict, nll: list[float]) -> None:
         if self.cache is not None:
-            for layer, saved in zip(self.cache.layers, state["layers"], strict=True):
-                layer.__dict__.update(saved)
+            self.cache.load_state_dict(state["cache"])
         for key in ("seconds", "kv_bytes", "kl_sum", "top1", "compared"):
             setattr(self, key, state[key])
         self.nll = nll
@@ -195,7 +188,7 @@ def stream_compare(
         checkpoint = out / "stream_state.pt"
         fingerprint = _fingerprint(input_ids.cpu(), runs, chunk)
         if checkpoint.exists():
-            saved = torch.load(checkpoint, weights_only=False)
+            saved = torch.load(checkpoint, weights_only=True)
             if saved["fingerprint"] == fingerprint:
                 done = saved["done"]
                 for runner in runners:

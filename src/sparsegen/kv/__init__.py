@@ -4,10 +4,16 @@ cache = make_cache(model, "streaming", sinks=4, recent=252)
 model.generate(input_ids, past_key_values=cache, max_new_tokens=2000)
 """
 
-from sparsegen.kv import full, h2o, streaming, streaming_h2o, window  # noqa: F401  (register policies)
-from sparsegen.kv.base import POLICIES, Policy, Sizes, make_policy, register_policy, split_budget
+import importlib
+import pkgutil
+
+from sparsegen.kv.base import POLICIES, Policy, Sizes, Step, make_policy, register_policy, settings_help
 from sparsegen.kv.cache import PolicyCache, PolicyLayer, make_cache
 from sparsegen.kv.stream import StreamStep, stream
+
+# Every module of this package is imported, so a policy registers itself by existing as a file.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "POLICIES",
@@ -15,10 +21,11 @@ __all__ = [
     "PolicyCache",
     "PolicyLayer",
     "Sizes",
+    "Step",
     "StreamStep",
     "make_cache",
     "make_policy",
     "register_policy",
-    "split_budget",
+    "settings_help",
     "stream",
 ]

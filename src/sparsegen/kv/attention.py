@@ -1,14 +1,13 @@
 """The attention functions a policy cache runs under: sdpa or eager, then eviction.
 
-transformers calls `cache.update()` right before the attention function of the same layer. A
-policy layer marks itself as in flight in `update()`; the registered attention function computes
-the attention as usual, hands the layer the attention its keys received (only for policies that
-score tokens, computed from the same queries and keys) and lets it evict down to its budget.
+transformers calls `cache.update()` right before the attention function of the same layer and
+passes the keys `update()` returned straight to it. A policy layer tags those keys with itself
+(`tag`), so the registered attention function finds its layer through its own call's arguments:
+it computes the attention as usual, then hands the layer this call's queries, keys and weights, and
+the layer lets its policy score and evict down to the budget.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 from transformers import AttentionInterface
@@ -20,27 +19,22 @@ from sparsegen.errors import SparsegenError
 
 PREFIX = "sparsegen_"
 BASE_IMPLEMENTATIONS = {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (eager_attention_forward, eager_mask)}
-
-_state = threading.local()
-
-
-def set_in_flight(layer) -> None:
-    if getattr(_state, "layer", None) is not None:
-        raise SparsegenError(
-            "a policy cache layer was updated but its attention never ran through sparsegen's attention "
-            "function: the model's attn_implementation changed after make_cache(); call make_cache() again"
-        )
-    _state.layer = layer
+_LAYER = "_sparsegen_layer"
 
 
-def take_in_flight():
-    layer = getattr(_state, "layer", None)
-    _state.layer = None
+def tag(keys: torch.Tensor, layer) -> torch.Tensor:
+    """Mark the keys a policy layer hands to attention with that layer (a fresh view each call)."""
+    setattr(keys, _LAYER, layer)
+    return keys
+
+
+def tagged_layer(keys: torch.Tensor, module):
+    """The policy layer whose keys these are, checked against the attention module's layer index."""
+    layer = getattr(keys, _LAYER, None)
+    index = getattr(module, "layer_idx", None)
+    if layer is not None and None not in (index, layer.layer_idx) and index != layer.layer_idx:
+        raise SparsegenError(f"attention layer {module.layer_idx} got the keys of cache layer {layer.layer_idx}")
     return layer
-
-
-def clear_in_flight() -> None:
-    _state.layer = None
 
 
 def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 24):
@@ -71,20 +65,12 @@ def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, m
 
 def _make_attention(base):
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        layer = take_in_flight()
+        layer = tagged_layer(key, module)
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if layer is not None:
             if layer.check_padding:
                 layer.refuse_padding(attention_mask, query.shape[-2])
-            received = None
-            if layer.policy.needs_scores:
-                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-                if weights is not None:
-                    b, hkv = key.shape[:2]
-                    received = weights.float().view(b, hkv, -1, *weights.shape[-2:]).sum(dim=(2, 3))
-                else:
-                    received = attention_received(query, key, scale)
-            layer.after_attention(received)
+            layer.after_attention(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5, weights)
         return out, weights
 
     return attention

@@ -1,14 +1,18 @@
-"""What a KV-cache policy is: which cached tokens to keep when the cache is over its budget.
+"""What a KV-cache policy is: how its scores follow attention, and which cached tokens stay.
 
-A policy sees, per batch row and KV head, the original position of every held token (and, if it
-asks for them, the accumulated attention each token received) and returns a priority: the cache
-keeps the `budget` highest. Each policy lives in its own file and registers itself by name.
+After every attention call the cache layer hands its policy a `Step`: everything that call knows
+(the held tokens' positions, keys and values, the new queries' attention, the policy's running
+scores, tokens seen, the budget). The policy returns its updated scores (`score`) and, when the
+cache is over budget, a keep-priority per held token (`priority`); the layer keeps the highest.
+Each policy is one file: a dataclass whose fields are its typed, documented settings, registered
+by name, declaring the budget parts it takes and how a total budget splits among them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -18,6 +22,7 @@ from sparsegen.errors import SparsegenError
 POLICIES: dict[str, type[Policy]] = {}
 
 KEEP = float("inf")
+PARTS = ("sinks", "heavy", "recent")
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
@@ -39,13 +44,58 @@ class Sizes:
         return self.sinks + self.heavy + self.recent
 
 
-def _check_count(name: str, value: int | float) -> None:
+@dataclass
+class Step:
+    """What one attention call knows, as the policy sees it (held tokens include the new ones).
+
+    `positions`, `scores` [b, h, n]; `keys`, `values` [b, h, n, d] (keys as attention saw them);
+    `query` [b, hq, new, d], the new tokens' queries; `weights`, when the attention implementation
+    returned them, [b, hq, new, n]. `seen` counts every token so far, `new` this call's.
+    """
+
+    positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+    query: torch.Tensor
+    scaling: float
+    seen: int
+    new: int
+    sizes: Sizes | None
+    weights: torch.Tensor | None = None
+    _received: dict = field(default_factory=dict, repr=False)
+
+    def received(self, last: int | None = None) -> torch.Tensor:
+        """Attention each held key received from the newest `last` queries (default: all new ones),
+        summed over those queries and over each GQA group: float32 [b, h, n]."""
+        last = self.new if last is None else min(last, self.new)
+        if last not in self._received:
+            b, h = self.keys.shape[:2]
+            if self.weights is not None:
+                chosen = self.weights[:, :, -last:].float()
+                self._received[last] = chosen.view(b, h, -1, *chosen.shape[-2:]).sum(dim=(2, 3))
+            else:
+                from sparsegen.kv.attention import attention_received
+
+                self._received[last] = attention_received(self.query[:, :, -last:], self.keys, self.scaling)
+        return self._received[last]
+
+    def is_sink(self) -> torch.Tensor:
+        return self.positions < self.sizes.sinks
+
+    def is_recent(self) -> torch.Tensor:
+        return self.positions >= self.seen - self.sizes.recent
+
+
+def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SparsegenError(f"{name} must be a number, got {value!r}")
     if value < 0:
         raise SparsegenError(f"{name} must be >= 0, got {value}")
     if isinstance(value, float) and value >= 1:
         raise SparsegenError(f"{name}={value}: a float is a ratio of the prompt and must be < 1; use an int count")
+    if name == "sinks" and isinstance(value, float):
+        raise SparsegenError("sinks must be an int count of initial tokens")
 
 
 def _resolve(value: int | float, prompt_length: int) -> int:
@@ -53,28 +103,53 @@ def _resolve(value: int | float, prompt_length: int) -> int:
     return int(value * prompt_length) if isinstance(value, float) else value
 
 
+@dataclass
 class Policy(ABC):
-    """A KV eviction policy over `sinks` + `heavy` + `recent` tokens.
+    """A KV eviction policy. Subclasses are dataclasses whose fields are their settings.
 
-    Subclasses set `name`, optionally `needs_scores` (accumulated attention is collected for them)
-    and `default_position`, accept the budget parts they use in `__init__`, and implement
-    `priority`.
+    Class attributes: `name` (registry key), `default_position` ("original" or "rolling"),
+    `contiguous` (the kept set is always the sinks plus a run of the newest tokens, which lets
+    rolling positions rotate only the sinks), `prefill_only` (compress once, after the prompt is
+    read, then keep every new token). Budget parts are the fields named sinks, heavy, recent.
     """
 
     name: ClassVar[str]
-    needs_scores: ClassVar[bool] = False
     default_position: ClassVar[str] = "original"
+    contiguous: ClassVar[bool] = False
+    prefill_only: ClassVar[bool] = False
 
-    def __init__(self, sinks: int = 0, heavy: int | float = 0, recent: int | float = 0) -> None:
-        for label, value in (("sinks", sinks), ("heavy", heavy), ("recent", recent)):
-            _check_count(label, value)
-        if isinstance(sinks, float):
-            raise SparsegenError("sinks must be an int count of initial tokens")
-        self.sinks, self.heavy, self.recent = sinks, heavy, recent
+    def __post_init__(self) -> None:
+        for part in self.budget_parts():
+            _check_count(part, getattr(self, part))
+
+    @classmethod
+    def budget_parts(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name in PARTS)
+
+    @classmethod
+    def split(cls, total: int, sinks: int | None = None) -> dict[str, int]:
+        """The parts of one total budget: sinks first (default 4), the rest halved between heavy
+        and recent where the policy has both."""
+        parts = cls.budget_parts()
+        if sinks is not None and "sinks" not in parts:
+            raise SparsegenError(f"policy {cls.name!r} keeps no sinks; drop --sinks")
+        out: dict[str, int] = {}
+        rest = total
+        if "sinks" in parts:
+            out["sinks"] = 4 if sinks is None else sinks
+            if out["sinks"] >= total:
+                raise SparsegenError(
+                    f"sinks ({out['sinks']}) must be smaller than the budget ({total}): raise --budget or lower --sinks"
+                )
+            rest -= out["sinks"]
+        if "heavy" in parts and "recent" in parts:
+            return {**out, "heavy": rest // 2, "recent": rest - rest // 2}
+        return {**out, **{part: rest for part in parts if part != "sinks"}}
 
     def sizes(self, prompt_length: int) -> Sizes | None:
         """Resolve ratios against the prompt; None means the cache is unbounded."""
-        sizes = Sizes(self.sinks, _resolve(self.heavy, prompt_length), _resolve(self.recent, prompt_length))
+        values = {p: _resolve(getattr(self, p), prompt_length) for p in self.budget_parts()}
+        sizes = Sizes(**values)
         if sizes.budget == 0:
             raise SparsegenError(
                 f"policy {self.name!r}: the budget resolves to 0 tokens for a {prompt_length}-token prompt; "
@@ -82,64 +157,48 @@ class Policy(ABC):
             )
         return sizes
 
-    @abstractmethod
-    def priority(self, positions: torch.Tensor, scores: torch.Tensor | None, length: int, sizes: Sizes) -> torch.Tensor:
-        """Keep-priority of each held token, shape of `positions` ([batch, kv_heads, held]).
+    def score(self, step: Step) -> torch.Tensor | None:
+        """The running scores after this step ([b, h, n]), or None if the policy keeps none."""
+        return None
 
-        `positions` are original token indices, `scores` the accumulated attention (if
-        `needs_scores`), `length` the number of tokens seen so far. Higher is kept; `KEEP` always.
-        """
+    @abstractmethod
+    def priority(self, step: Step) -> torch.Tensor:
+        """Keep-priority of each held token [b, h, n]; `step.scores` are already updated. Higher
+        is kept; `KEEP` always."""
 
     def describe(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("sinks", self.sinks), ("heavy", self.heavy), ("recent", self.recent)) if v]
-        return f"{self.name}({', '.join(parts)})"
+        values = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)]
+        return f"{self.name}({', '.join(values)})"
 
 
-def is_sink(positions: torch.Tensor, sizes: Sizes) -> torch.Tensor:
-    return positions < sizes.sinks
+def settings_help() -> str:
+    """One line per registered policy: its name, what it is, its settings (for the CLI's help)."""
+    lines = []
+    for name in sorted(POLICIES):
+        cls = POLICIES[name]
+        settings = ", ".join(f.name for f in dataclasses.fields(cls))
+        summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
+        lines.append(f"{name}{f' ({settings})' if settings else ''}: {summary}")
+    return "; ".join(lines)
 
 
-def is_recent(positions: torch.Tensor, length: int, sizes: Sizes) -> torch.Tensor:
-    return positions >= length - sizes.recent
-
-
-def split_budget(policy: str, budget: int, sinks: int | None = None) -> dict[str, int]:
-    """Turn one total `budget` into the parts a policy takes (half heavy, half recent for H2O)."""
-    if budget <= 0:
-        raise SparsegenError(f"budget must be > 0, got {budget}")
-    if policy == "full":
-        return {}
-    if policy == "window":
-        return {"recent": budget}
-    if policy == "h2o":
-        return {"heavy": budget // 2, "recent": budget - budget // 2}
-    sinks = 4 if sinks is None else sinks
-    if sinks >= budget:
-        raise SparsegenError(
-            f"sinks ({sinks}) must be smaller than the budget ({budget}): raise --budget or lower --sinks"
-        )
-    if policy == "streaming":
-        return {"sinks": sinks, "recent": budget - sinks}
-    rest = budget - sinks
-    return {"sinks": sinks, "heavy": rest // 2, "recent": rest - rest // 2}
-
-
-def make_policy(policy: str | Policy, budget: int | None = None, **parts: int | float) -> Policy:
-    """A policy from a registered name and its budget (a total `budget`, or its parts as keywords).
-
-    A `Policy` instance is returned unchanged.
-    """
+def make_policy(policy: str | Policy, budget: int | None = None, **settings) -> Policy:
+    """A policy from a registered name and its settings; `budget=` is one total that the policy
+    splits into its parts (`sinks=` may fix the sinks). A `Policy` instance is returned unchanged."""
     if isinstance(policy, Policy):
-        if budget is not None or parts:
+        if budget is not None or settings:
             raise SparsegenError("pass budget keywords with a policy name, not with a Policy instance")
         return policy
     if policy not in POLICIES:
         raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[policy]
     if budget is not None:
-        if any(k in parts for k in ("heavy", "recent")):
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise SparsegenError(f"budget must be an int > 0, got {budget!r}")
+        if any(k in settings for k in ("heavy", "recent")):
             raise SparsegenError("give either budget= or its parts (heavy=, recent=), not both")
-        parts = {**parts, **split_budget(policy, budget, parts.pop("sinks", None))}
+        settings = {**settings, **cls.split(budget, settings.pop("sinks", None))}
     try:
-        return POLICIES[policy](**parts)
+        return cls(**settings)
     except TypeError as exc:
         raise SparsegenError(f"policy {policy!r}: {exc}") from None

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import attention
-from sparsegen.kv.base import Policy, Sizes
+from sparsegen.kv.base import Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
 
 
@@ -37,9 +37,11 @@ class PolicyLayer(CacheLayerMixin):
     is_croppable = False
     _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys")
 
-    def __init__(self, policy: Policy, rotation: KeyRotation | None = None) -> None:
+    def __init__(self, policy: Policy, rotation: KeyRotation | None = None, layer_idx: int | None = None) -> None:
         super().__init__()
         self.policy = policy
+        self.layer_idx = layer_idx
+        self.awaiting_attention = False
         self.rotation = rotation
         self.cumulative_length = 0
         self.size = 0
@@ -49,6 +51,8 @@ class PolicyLayer(CacheLayerMixin):
         self.scores: torch.Tensor | None = None
         self.sink_keys: torch.Tensor | None = None
         self.check_padding = True
+        self.new_tokens = 0
+        self.compressed = False
 
     # -- transformers' layer interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -61,6 +65,12 @@ class PolicyLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.awaiting_attention:
+            raise SparsegenError(
+                "a policy cache layer was updated but its attention never ran through sparsegen's attention "
+                "function: the model's attn_implementation changed after make_cache(); call make_cache() again"
+            )
+        self.awaiting_attention = True
         n = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -74,16 +84,16 @@ class PolicyLayer(CacheLayerMixin):
                 self._close_hole()
             self._append(key_states, value_states, new_positions)
         self.cumulative_length += n
-        attention.set_in_flight(self)
-        return self._keys_for_attention(), self.values[:, :, : self.size]
+        self.new_tokens = n
+        return attention.tag(self._keys_for_attention(), self), self.values[:, :, : self.size]
 
     def _keys_for_attention(self) -> torch.Tensor:
         keys = self.keys[:, :, : self.size]
         if self.rotation is None or self.cumulative_length == self.size:
             return keys
-        if self.sizes.heavy:
+        if not self.policy.contiguous:
             return self.rotation.roll(keys, self.positions[:, :, : self.size], self.cumulative_length)
-        # Without heavy hitters the held tokens are the sinks plus a contiguous run of the newest:
+        # A contiguous policy holds the sinks plus a run of the newest tokens:
         # only the sinks move, all by the same delta. Sinks keep slots [0, sinks) (never evicted,
         # compaction keeps slot order), so they are rotated in place from a pristine copy.
         sinks = min(self.sizes.sinks, self.size)
@@ -111,6 +121,9 @@ class PolicyLayer(CacheLayerMixin):
         self.cumulative_length = self.size = 0
         self.sizes = None
         self.check_padding = True
+        self.new_tokens = 0
+        self.compressed = False
+        self.awaiting_attention = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_batch(beam_idx)
@@ -131,6 +144,36 @@ class PolicyLayer(CacheLayerMixin):
                 tensor = getattr(self, name)
                 if tensor is not None:
                     setattr(self, name, tensor.index_select(0, index.to(tensor.device)))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    _STATE = (
+        "keys",
+        "values",
+        "positions",
+        "scores",
+        "hole",
+        "sink_keys",
+        "cumulative_length",
+        "size",
+        "check_padding",
+        "new_tokens",
+        "compressed",
+        "is_initialized",
+    )
+
+    def state_dict(self) -> dict:
+        """Tensors and plain values only: loads with `torch.load(weights_only=True)`."""
+        state = {name: getattr(self, name, None) for name in self._STATE}
+        state["sizes"] = None if self.sizes is None else [self.sizes.sinks, self.sizes.heavy, self.sizes.recent]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._STATE:
+            setattr(self, name, state[name])
+        self.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
+        self.awaiting_attention = False
+        if self.keys is not None:
+            self.dtype, self.device = self.keys.dtype, self.keys.device
 
     # -- policy mechanics -------------------------------------------------------------------
     @property
@@ -166,7 +209,7 @@ class PolicyLayer(CacheLayerMixin):
     def _append(self, key_states, value_states, new_positions) -> None:
         n, size = key_states.shape[-2], self.size
         if size + n > self.capacity:
-            limit = self.sizes.budget + 1 if self.sizes is not None else float("inf")
+            limit = self.sizes.budget + 1 if self.sizes is not None and not self.compressed else float("inf")
             grown = int(max(size + n, min(limit, max(2 * self.capacity, 64))))
             self._keep(torch.arange(size, device=self.device).expand(*key_states.shape[:2], -1), grown)
         self.keys[:, :, size : size + n] = key_states
@@ -175,21 +218,44 @@ class PolicyLayer(CacheLayerMixin):
         self.scores[:, :, size : size + n] = 0.0
         self.size = size + n
 
-    def after_attention(self, received: torch.Tensor | None) -> None:
-        """Account the attention just computed, then evict down to the budget."""
-        if received is not None:
-            self.scores[:, :, : self.size] += received
-        if self.sizes is None or self.size <= self.sizes.budget:
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, weights=None) -> None:
+        """Let the policy update its scores from this attention call, then evict down to the budget.
+
+        A prefill-only policy compresses once, after the first call, and keeps every later token.
+        """
+        self.awaiting_attention = False
+        if self.compressed:
             return
         held = slice(0, self.size)
-        scores = self.scores[:, :, held] if self.policy.needs_scores else None
-        priority = self.policy.priority(self.positions[:, :, held], scores, self.cumulative_length, self.sizes)
-        if self.size - self.sizes.budget == 1:
+        step = Step(
+            positions=self.positions[:, :, held],
+            keys=keys,
+            values=self.values[:, :, held],
+            scores=self.scores[:, :, held],
+            query=query,
+            scaling=scaling,
+            seen=self.cumulative_length,
+            new=self.new_tokens,
+            sizes=self.sizes,
+            weights=weights,
+        )
+        scores = self.policy.score(step)
+        if scores is not None:
+            self.scores[:, :, held] = scores
+            step.scores = self.scores[:, :, held]
+        if self.sizes is None:
+            return
+        if self.policy.prefill_only:
+            self.compressed = True
+        if self.size <= self.sizes.budget:
+            return
+        priority = self.policy.priority(step)
+        if self.size - self.sizes.budget == 1 and not self.compressed:
             self.hole = priority.argmin(-1, keepdim=True)
             self.size -= 1
         else:
             keep = priority.topk(self.sizes.budget, dim=-1).indices.sort(-1).values
-            self._keep(keep, self.sizes.budget + 1)
+            self._keep(keep, self.capacity if self.compressed else self.sizes.budget + 1)
 
     def refuse_padding(self, mask: torch.Tensor | None, query_length: int) -> None:
         """A key column masked for every query is padding, which a policy cache cannot evict right."""
@@ -242,11 +308,40 @@ class PolicyCache(Cache):
                 total += tensor[:, :, :held].numel() * tensor.element_size()
         return total
 
+    def state_dict(self) -> dict:
+        """Every layer's state (tensors and plain values), for checkpoints that resume a stream."""
+        return {"policy": self.policy.describe(), "layers": [_layer_state(layer) for layer in self.layers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["policy"] != self.policy.describe() or len(state["layers"]) != len(self.layers):
+            raise SparsegenError(f"this checkpoint is of {state['policy']}, not of {self.policy.describe()}")
+        for layer, saved in zip(self.layers, state["layers"], strict=True):
+            _load_layer_state(layer, saved)
+
     def crop(self, tokens_to_remove: int) -> None:
         raise SparsegenError("a policy cache cannot be cropped (assisted/speculative decoding is not supported)")
 
     def __repr__(self) -> str:
         return f"PolicyCache({self.policy.describe()}, position={self.position}, layers={len(self.layers)})"
+
+
+_SLIDING_STATE = ("keys", "values", "cumulative_length", "is_initialized")
+
+
+def _layer_state(layer: CacheLayerMixin) -> dict:
+    if isinstance(layer, PolicyLayer):
+        return layer.state_dict()
+    return {name: getattr(layer, name, None) for name in _SLIDING_STATE}  # transformers' sliding layer
+
+
+def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
+    if isinstance(layer, PolicyLayer):
+        layer.load_state_dict(state)
+        return
+    for name in _SLIDING_STATE:
+        setattr(layer, name, state[name])
+    if layer.keys is not None:
+        layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
 
 
 POSITIONS = ("original", "rolling")
@@ -294,9 +389,9 @@ def make_cache(
         raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
     rotation = KeyRotation(inv_freq) if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
-    for layer_type in _layer_types(model.config):
+    for index, layer_type in enumerate(_layer_types(model.config)):
         if layer_type == "full_attention":
-            layers.append(PolicyLayer(policy, rotation))
+            layers.append(PolicyLayer(policy, rotation, layer_idx=index))
         elif layer_type == "sliding_attention":
             from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -306,5 +401,4 @@ def make_cache(
     if not any(isinstance(layer, PolicyLayer) for layer in layers):
         raise SparsegenError("the model has no full-attention layer for a KV policy to apply to")
     attention.use_policy_attention(model)
-    attention.clear_in_flight()
     return PolicyCache(layers, policy, position)

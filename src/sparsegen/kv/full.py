@@ -1,24 +1,21 @@
-"""Full cache: nothing is evicted (the dense baseline, through the same machinery)."""
+"""The full cache: nothing is evicted (the dense reference every policy is measured against)."""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 from sparsegen.kv.base import Policy, Sizes, register_policy
 
 
 @register_policy
+@dataclass
 class FullPolicy(Policy):
-    name = "full"
+    """Keep every token (dense)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    name = "full"
 
     def sizes(self, prompt_length: int) -> Sizes | None:
         return None
 
-    def priority(self, positions, scores, length, sizes) -> torch.Tensor:  # never called: unbounded
+    def priority(self, step):  # never called: unbounded
         raise AssertionError("the full policy never evicts")
-
-    def describe(self) -> str:
-        return "full"

@@ -1,37 +1,46 @@
-"""H2O: `heavy` hitters by accumulated attention + the `recent` newest tokens.
+"""H2O (Zhang et al. 2023, "Heavy-Hitter Oracle"): `heavy` hitters by accumulated attention + the
+`recent` newest tokens.
 
-The score of a held token is the running sum, over every query that saw it, of the attention
-probability it received, summed over the query heads of its GQA group (per KV head). With
-`normalize=True` the sum is divided by the number of queries that saw the token, which stops old
-tokens from winning only by having been seen longer.
+A held token's score is the running sum, over every query that saw it, of the attention it
+received, summed over the query heads of its GQA group (per KV head). With `normalize=True` the
+sum is divided by the number of queries that saw the token, so old tokens do not win only by
+having been seen longer.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.base import KEEP, Policy, is_recent, register_policy
+from sparsegen.kv.base import KEEP, Policy, register_policy
 
 
 @register_policy
+@dataclass
 class H2OPolicy(Policy):
+    """Heavy hitters by accumulated attention + the newest tokens (H2O)."""
+
     name = "h2o"
-    needs_scores = True
 
-    def __init__(self, heavy: int | float = 128, recent: int | float = 128, normalize: bool = False) -> None:
-        super().__init__(heavy=heavy, recent=recent)
-        if heavy == 0 and recent == 0:
-            raise SparsegenError("h2o needs heavy + recent > 0")
-        self.normalize = normalize
+    heavy: int | float = 128
+    """Heavy hitters kept: a count, or a share of the prompt."""
+    recent: int | float = 128
+    """Newest tokens kept: a count, or a share of the prompt."""
+    normalize: bool = False
+    """Divide each score by the number of queries that saw the token."""
 
-    def heavy_score(self, positions: torch.Tensor, scores: torch.Tensor, length: int) -> torch.Tensor:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.heavy == 0 and self.recent == 0:
+            raise SparsegenError(f"{self.name} needs heavy + recent > 0")
+
+    def score(self, step):
+        return step.scores + step.received()
+
+    def heavy_score(self, step):
         if not self.normalize:
-            return scores
-        return scores / (length - positions).clamp_min(1).to(scores.dtype)
+            return step.scores
+        return step.scores / (step.seen - step.positions).clamp_min(1).to(step.scores.dtype)
 
-    def priority(self, positions, scores, length, sizes) -> torch.Tensor:
-        return self.heavy_score(positions, scores, length).masked_fill(is_recent(positions, length, sizes), KEEP)
-
-    def describe(self) -> str:
-        return super().describe() + (" normalized" if self.normalize else "")
+    def priority(self, step):
+        return self.heavy_score(step).masked_fill(step.is_recent(), KEEP)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 from sparsegen.kv.base import Policy, register_policy
 
 
 @register_policy
+@dataclass
 class WindowPolicy(Policy):
+    """Keep the newest tokens."""
+
     name = "window"
+    contiguous = True
 
-    def __init__(self, recent: int | float = 256) -> None:
-        super().__init__(recent=recent)
+    recent: int | float = 256
+    """Tokens kept: a count, or a share of the prompt."""
 
-    def priority(self, positions, scores, length, sizes) -> torch.Tensor:
-        return positions.float()
+    def priority(self, step):
+        return step.positions.float()

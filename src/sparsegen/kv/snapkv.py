@@ -1,0 +1,54 @@
+"""SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): once
+the prompt is read, keep the prompt tokens that its last `recent` tokens (the observation window)
+attend to most, plus the window itself; decoding then keeps every new token.
+
+Scores: the window queries' attention summed over the window and each GQA group, smoothed along
+the sequence by average pooling (`kernel` tokens wide) so that neighbours of an important token
+stay with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from sparsegen.errors import SparsegenError
+from sparsegen.kv.base import KEEP, Policy, register_policy
+
+
+@register_policy
+@dataclass
+class SnapKVPolicy(Policy):
+    """Compress the prompt once by its observation window's attention (SnapKV)."""
+
+    name = "snapkv"
+    prefill_only = True
+
+    heavy: int | float = 224
+    """Prompt tokens kept by score: a count, or a share of the prompt."""
+    recent: int = 32
+    """The observation window: the prompt's last tokens, which score the rest and are all kept."""
+    kernel: int = 5
+    """Width of the average pooling over neighbouring scores (odd)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recent < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise SparsegenError("snapkv needs recent >= 1 and an odd kernel >= 1")
+
+    @classmethod
+    def split(cls, total: int, sinks: int | None = None) -> dict[str, int]:
+        if sinks is not None:
+            raise SparsegenError("snapkv keeps no sinks; drop --sinks")
+        window = min(32, total // 2)
+        return {"heavy": total - window, "recent": window}
+
+    def score(self, step):
+        received = step.received(last=self.recent)  # slots are in position order at the first call
+        b, h, n = received.shape
+        pooled = F.avg_pool1d(received.view(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
+        return pooled.view(b, h, n)
+
+    def priority(self, step):
+        return step.scores.masked_fill(step.is_recent(), KEEP)
