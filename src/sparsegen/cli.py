@@ -392,6 +392,54 @@ def eval_ppl(
         write_json(json_out, summary)
 
 
+@eval_app.command("needle")
+def eval_needle(
+    model: str = ModelOpt,
+    policies: str = typer.Option("full,window,streaming,h2o,snapkv,tova", "--policies", help=POLICY_HELP),
+    budgets: str = typer.Option("256,1024", "--budgets", help="Total KV budgets, comma-separated."),
+    length: int = typer.Option(2048, "--length", help="Context tokens (filler + needle)."),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths, 0 = start of the context."),
+    trials: int = typer.Option(4, "--trials", help="Passkeys (and filler offsets) per cell."),
+    chunk: int | None = typer.Option(None, "--chunk", help="Read the context in pieces [default: one forward]."),
+    filler: str = typer.Option("shakespeare", "--filler", help="Embedded text name or a .txt file."),
+    out_dir: Path = typer.Option(Path("results/needle"), "--out"),
+) -> None:
+    """Passkey retrieval per policy, budget and depth, asked after the context was compressed (heat map)."""
+    from sparsegen.data import load_text
+    from sparsegen.eval.needle import needle_job, plot_heatmap
+    from sparsegen.models import load
+    from sparsegen.report import markdown_table
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown:
+        raise SparsegenError(f"unknown KV policy {', '.join(unknown)}; choose from {', '.join(sorted(POLICIES))}")
+    depth_list = [float(d) for d in depths.split(",")]
+    loaded, tokenizer = load(model)
+    rows = needle_job(
+        loaded,
+        tokenizer,
+        load_text(filler),
+        names,
+        [int(b) for b in budgets.split(",")],
+        depth_list,
+        length,
+        trials,
+        out_dir,
+        chunk,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    reading = f"chunks of {chunk}" if chunk else "one forward, compressed after it"
+    plot_heatmap(rows, depth_list, out_dir / "needle.png", f"passkey retrieval, {length}-token context ({reading})")
+    table_rows = []
+    for policy, budget in dict.fromkeys((r["policy"], r["budget"]) for r in rows):
+        cells = {f"{r['depth']:.0%}": r["accuracy"] for r in rows if (r["policy"], r["budget"]) == (policy, budget)}
+        table_rows.append({"policy": policy, "budget": budget or "all", **cells})
+    columns = [("policy", "policy"), ("budget", "budget"), *[(f"{d:.0%}", f"{d:.0%}") for d in depth_list]]
+    out.print(markdown_table(table_rows, columns))
+    out.print(f"wrote {out_dir}/needle.json and {out_dir}/needle.png")
+
+
 def count_or_share(value: str | None) -> int | float | None:
     """A budget option: an int is a token count, a float in (0, 1) a share of each request."""
     if value is None:

@@ -1,0 +1,129 @@
+"""What eviction forgets: passkey retrieval (a needle in a haystack) per policy, budget and depth.
+
+A five-digit passkey sentence is hidden at a chosen depth of a long filler text (Shakespeare, from
+a seeded offset). The context is read into a policy cache and compressed *before* the question
+is asked: in one forward by default, after which the cache evicts down to its budget (kvpress's
+protocol, the one prefill-compression methods are designed for), or in `chunk`-token pieces as a
+stream. Only then are the question and the answer read and generated over what the policy kept,
+so the answer cannot come from a dense look at the whole context. A trial counts as retrieved
+when the greedy answer contains the passkey.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sparsegen.data import tokenize_long
+from sparsegen.ioutil import write_json
+
+NEEDLE = " The secret passkey is {key}. Remember it: the secret passkey is {key}. "
+QUESTION = "\n\nWhat is the secret passkey? The secret passkey is"
+
+
+@dataclass(frozen=True)
+class NeedleCell:
+    policy: str
+    budget: int | None
+    depth: float
+
+
+def build_prompt(tokenizer, filler_ids: torch.Tensor, length: int, depth: float, key: str) -> tuple[list, list]:
+    """(context ids, question ids): `length` filler tokens with the needle at `depth` (0 = start)."""
+    needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+    filler = filler_ids[: max(0, length - len(needle))].tolist()
+    cut = int(round(depth * len(filler)))
+    context = filler[:cut] + needle + filler[cut:]
+    return context, tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+
+
+@torch.inference_mode()
+def retrieve(model, tokenizer, context: list[int], question: list[int], cache, chunk: int | None, answer_tokens=8):
+    """Read `context` into `cache` (compressing it), then the question; return the greedy answer text."""
+    ids = torch.tensor(context)[None]
+    step = chunk or len(context)
+    for start in range(0, len(context), step):
+        model(input_ids=ids[:, start : start + step], past_key_values=cache, use_cache=True)
+    logits = model(input_ids=torch.tensor(question)[None], past_key_values=cache, use_cache=True).logits
+    answer = []
+    for _ in range(answer_tokens):
+        token = logits[0, -1].argmax()
+        answer.append(int(token))
+        logits = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits
+    return tokenizer.decode(answer, skip_special_tokens=True)
+
+
+def needle_job(
+    model,
+    tokenizer,
+    filler: str,
+    policies: list[str],
+    budgets: list[int],
+    depths: list[float],
+    length: int,
+    trials: int,
+    out: Path,
+    chunk: int | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[dict]:
+    """Accuracy per (policy, budget, depth), resuming from `out/needle.json`; `full` runs once."""
+    from sparsegen.kv import make_cache
+
+    path = out / "needle.json"
+    settings = {"length": length, "trials": trials, "chunk": chunk, "seed": seed}
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    rows = saved.get("rows", []) if saved.get("settings") == settings else []
+    done = {(r["policy"], r["budget"], r["depth"]) for r in rows}
+    rng = random.Random(seed)
+    filler_ids = tokenize_long(tokenizer, filler)
+    offsets = [rng.randrange(0, filler_ids.numel() - length) for _ in range(trials)]
+    keys = [f"{rng.randrange(10000, 100000)}" for _ in range(trials)]
+    cells = [NeedleCell("full", None, d) for d in depths]
+    cells += [NeedleCell(p, b, d) for p in policies if p != "full" for b in budgets for d in depths]
+    for number, cell in enumerate(cells, 1):
+        if (cell.policy, cell.budget, cell.depth) in done:
+            continue
+        progress(f"[{number}/{len(cells)}] {cell.policy} budget={cell.budget} depth={cell.depth:.2f}")
+        hits = 0
+        for offset, key in zip(offsets, keys, strict=True):
+            context, question = build_prompt(tokenizer, filler_ids[offset:], length, cell.depth, key)
+            cache = make_cache(model, cell.policy, **({"budget": cell.budget} if cell.budget else {}))
+            hits += key in retrieve(model, tokenizer, context, question, cache, chunk)
+        rows.append({**asdict(cell), "accuracy": hits / trials, "trials": trials})
+        write_json(path, {"settings": settings, "rows": rows})
+    return rows
+
+
+def plot_heatmap(rows: list[dict], depths: list[float], path: Path, title: str) -> None:
+    """One row per policy and budget, one column per depth, accuracy as colour and number."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = sorted({(r["policy"], r["budget"] or 0) for r in rows}, key=lambda pb: (pb[1], pb[0]))
+    grid = [
+        [next(r["accuracy"] for r in rows if (r["policy"], r["budget"] or 0) == pb and r["depth"] == d) for d in depths]
+        for pb in labels
+    ]
+    fig, ax = plt.subplots(figsize=(1.2 * len(depths) + 3, 0.45 * len(labels) + 1.5))
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_yticks(range(len(labels)), [p if not b else f"{p} @ {b}" for p, b in labels])
+    ax.set_xlabel("needle depth in the context")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="retrieval accuracy")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
