@@ -48,7 +48,15 @@ def test_info_and_generate_on_a_local_model(monkeypatch, capsys, tiny_folder):
         "--sinks",
         "2",
     )
-    assert code == 0 and out.strip().startswith("w")
+    import sparsegen
+    from sparsegen.kv import make_cache
+
+    model, tokenizer = sparsegen.load(str(tiny_folder))
+    ids = tokenizer("w5 w6 w7", return_tensors="pt")
+    cache = make_cache(model, "streaming", budget=6, sinks=2)
+    expected = model.generate(**ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    text = tokenizer.decode(expected[0, 3:], skip_special_tokens=True)
+    assert code == 0 and out.split() == text.split() and len(text.split()) >= 1
 
 
 def test_bad_input_is_one_line_not_a_traceback(monkeypatch, capsys, tiny_folder, tmp_path):

@@ -122,7 +122,7 @@ def stream(
     out_dir: Path = typer.Option(Path("results/stream"), "--out"),
 ) -> None:
     """The main job: KV policies on one long stream past the model's window (table, plot, JSON)."""
-    from sparsegen.eval.stream_job import STREAM_COLUMNS, stream_job
+    from sparsegen.eval.main_job import STREAM_COLUMNS, stream_job
     from sparsegen.report import table
 
     if budget is None and sinks is None and recent is None and heavy is None:

@@ -8,7 +8,7 @@ import torch
 
 from sparsegen.kv.base import Policy
 from sparsegen.kv.cache import make_cache
-from sparsegen.kv.stream import stream
+from sparsegen.kv.decode import stream
 
 
 class StreamingChat:

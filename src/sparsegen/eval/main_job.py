@@ -10,7 +10,7 @@ import torch
 
 from sparsegen.data import load_text, tokenize_long
 from sparsegen.errors import SparsegenError
-from sparsegen.eval.streaming import PolicyRun, StreamResult, stream_compare
+from sparsegen.eval.stream_ppl import PolicyRun, StreamResult, stream_compare
 from sparsegen.ioutil import write_json
 from sparsegen.kv import POLICIES
 from sparsegen.models import load

@@ -117,6 +117,95 @@ class _Runner:
             setattr(self, key, state[key])
         self.nll = nll
 
+    def step(self, model, ids: torch.Tensor, done: int, take: int) -> torch.Tensor:
+        """Feed the next `take` tokens from `done`; record their NLLs; return their log-probs."""
+        began = time.perf_counter()
+        if self.recompute:
+            logits = _recompute_logits(model, ids, done, take, self.run.window)
+        else:
+            tokens = ids[None, done : done + take]
+            logits = model(input_ids=tokens, past_key_values=self.cache, use_cache=True).logits[0]
+            self.kv_bytes = max(self.kv_bytes, self.cache.kv_bytes())
+        self.seconds += time.perf_counter() - began
+        logp = logits.float().log_softmax(-1)
+        nll = -logp.gather(-1, ids[done + 1 : done + 1 + take, None])[:, 0]
+        self.nll.extend(nll.tolist())
+        return logp
+
+    def compare(self, reference_logp: torch.Tensor, logp: torch.Tensor) -> None:
+        """Accumulate KL divergence and top-1 agreement against the reference's log-probs."""
+        m = min(logp.shape[0], reference_logp.shape[0])
+        ref = reference_logp[:m]
+        self.kl_sum += (ref.exp() * (ref - logp[:m])).sum().item()
+        self.top1 += (ref.argmax(-1) == logp[:m].argmax(-1)).sum().item()
+        self.compared += m
+
+    def result(self, chunk: int, window: int, nll_file: str | None) -> StreamResult:
+        nll = self.nll
+        windows = [math.exp(sum(nll[i : i + window]) / len(nll[i : i + window])) for i in range(0, len(nll), window)]
+        return StreamResult(
+            label=self.run.label,
+            policy=self.describe(),
+            position=None if self.recompute else self.cache.position,
+            chunk=chunk,
+            tokens=len(nll),
+            ppl=math.exp(sum(nll) / len(nll)) if nll else float("nan"),
+            window=window,
+            window_ppl=windows,
+            kv_mb=self.kv_bytes / 2**20,
+            tokens_per_s=len(nll) / self.seconds if self.seconds else float("nan"),
+            kl=self.kl_sum / self.compared if self.compared else None,
+            top1=self.top1 / self.compared if self.compared else None,
+            fidelity_tokens=self.compared,
+            note=self.run.note,
+            nll_file=nll_file,
+            nll=nll,
+        )
+
+
+class _Checkpoint:
+    """Per-run NLL files appended as the stream goes, and cache states saved every so often.
+
+    `resume()` returns how many tokens a matching earlier checkpoint covered (0 otherwise) and
+    truncates the NLL files to it; `save()` writes the checkpoint atomically.
+    """
+
+    def __init__(self, out: Path, runners: list[_Runner], fingerprint: str) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "stream_state.pt"
+        self.runners, self.fingerprint = runners, fingerprint
+        self.files = {r.run.label: out / f"nll_{r.run.label}.txt" for r in runners}
+        self.handles: dict = {}
+
+    def resume(self) -> int:
+        done = 0
+        if self.path.exists():
+            saved = torch.load(self.path, weights_only=True)
+            if saved["fingerprint"] == self.fingerprint:
+                done = saved["done"]
+                for runner in self.runners:
+                    entry = saved["runners"][runner.run.label]
+                    runner.restore(entry["state"], _read_nll(self.files[runner.run.label], entry["count"]))
+        for runner in self.runners:  # truncate to what the checkpoint covers (or start afresh)
+            self.files[runner.run.label].write_text("".join(f"{v:.6f}\n" for v in runner.nll))
+        self.handles = {label: open(path, "a") for label, path in self.files.items()}  # noqa: SIM115
+        return done
+
+    def append(self, runner: _Runner, count: int) -> None:
+        self.handles[runner.run.label].write("".join(f"{v:.6f}\n" for v in runner.nll[-count:]))
+
+    def save(self, done: int) -> None:
+        for handle in self.handles.values():
+            handle.flush()
+        runners = {r.run.label: {"state": r.state(), "count": len(r.nll)} for r in self.runners}
+        save_torch(self.path, {"fingerprint": self.fingerprint, "done": done, "runners": runners})
+
+    def close(self, finished: bool) -> None:
+        for handle in self.handles.values():
+            handle.close()
+        if finished:
+            self.path.unlink(missing_ok=True)
+
 
 def _recompute_logits(model, ids: torch.Tensor, start: int, n: int, window: int, batch: int = 16) -> torch.Tensor:
     """Logits for positions start..start+n-1, each from a fresh forward over its last `window` tokens."""
@@ -173,112 +262,46 @@ def stream_compare(
         raise SparsegenError(f"run labels must be unique: {labels}")
     if reference is not None and reference not in labels:
         raise SparsegenError(f"reference {reference!r} is not one of the runs {labels}")
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
+    ids = input_ids.to(next(model.parameters()).device)
     total = ids.numel() - 1  # tokens that have a next token to predict
     runners = [_Runner(model, run) for run in sorted(runs, key=lambda r: r.label != reference)]
-
-    done = 0
-    out = Path(out_dir) if out_dir is not None else None
-    files: dict[str, Path] = {}
     checkpoint = None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        files = {r.run.label: out / f"nll_{r.run.label}.txt" for r in runners}
-        checkpoint = out / "stream_state.pt"
-        fingerprint = _fingerprint(input_ids.cpu(), runs, chunk)
-        if checkpoint.exists():
-            saved = torch.load(checkpoint, weights_only=True)
-            if saved["fingerprint"] == fingerprint:
-                done = saved["done"]
-                for runner in runners:
-                    entry = saved["runners"][runner.run.label]
-                    runner.restore(entry["state"], _read_nll(files[runner.run.label], entry["count"]))
-        for runner in runners:  # truncate to what the checkpoint covers (or start afresh)
-            files[runner.run.label].write_text("".join(f"{v:.6f}\n" for v in runner.nll))
-    handles = {label: open(path, "a") for label, path in files.items()}  # noqa: SIM115  (closed in finally)
-
-    def save_checkpoint() -> None:
-        for handle in handles.values():
-            handle.flush()
-        save_torch(
-            checkpoint,
-            {
-                "fingerprint": fingerprint,
-                "done": done,
-                "runners": {r.run.label: {"state": r.state(), "count": len(r.nll)} for r in runners},
-            },
-        )
-
+    done = 0
+    if out_dir is not None:
+        checkpoint = _Checkpoint(Path(out_dir), runners, _fingerprint(input_ids.cpu(), runs, chunk))
+        done = checkpoint.resume()
     bar = tqdm(
         total=total, initial=done, unit="tok", desc=f"streaming {len(runs)} runs", disable=not progress, mininterval=2.0
     )
     try:
         with bar:
-            next_checkpoint = done + checkpoint_every
+            next_save = done + checkpoint_every
             while done < total:
                 n = min(chunk, total - done)
-                tokens, targets = ids[done : done + n], ids[done + 1 : done + 1 + n]
                 reference_logp = None
                 for runner in runners:
                     take = min(n, runner.active(done))
                     if take == 0:
                         continue
-                    began = time.perf_counter()
-                    if runner.recompute:
-                        logits = _recompute_logits(model, ids, done, take, runner.run.window)
-                    else:
-                        logits = model(
-                            input_ids=tokens[None, :take], past_key_values=runner.cache, use_cache=True
-                        ).logits[0]
-                        runner.kv_bytes = max(runner.kv_bytes, runner.cache.kv_bytes())
-                    runner.seconds += time.perf_counter() - began
-                    logp = logits.float().log_softmax(-1)
-                    nll = -logp.gather(-1, targets[:take, None])[:, 0]
-                    runner.nll.extend(nll.tolist())
-                    if handles:
-                        handles[runner.run.label].write("".join(f"{v:.6f}\n" for v in nll.tolist()))
+                    logp = runner.step(model, ids, done, take)
+                    if checkpoint is not None:
+                        checkpoint.append(runner, take)
                     if runner.run.label == reference:
                         reference_logp = logp
                     elif reference_logp is not None:
-                        m = min(take, reference_logp.shape[0])
-                        ref = reference_logp[:m]
-                        runner.kl_sum += (ref.exp() * (ref - logp[:m])).sum().item()
-                        runner.top1 += (ref.argmax(-1) == logp[:m].argmax(-1)).sum().item()
-                        runner.compared += m
+                        runner.compare(reference_logp, logp)
                 done += n
                 bar.update(n)
-                if checkpoint is not None and done >= next_checkpoint and done < total:
-                    save_checkpoint()
-                    next_checkpoint = done + checkpoint_every
+                if checkpoint is not None and next_save <= done < total:
+                    checkpoint.save(done)
+                    next_save = done + checkpoint_every
     finally:
-        for handle in handles.values():
-            handle.close()
-    if checkpoint is not None:
-        checkpoint.unlink(missing_ok=True)
-
-    results = {}
-    for runner in runners:
-        nll = runner.nll
-        windows = [math.exp(sum(nll[i : i + window]) / len(nll[i : i + window])) for i in range(0, len(nll), window)]
-        results[runner.run.label] = StreamResult(
-            label=runner.run.label,
-            policy=runner.describe(),
-            position=None if runner.recompute else runner.cache.position,
-            chunk=chunk,
-            tokens=len(nll),
-            ppl=math.exp(sum(nll) / len(nll)) if nll else float("nan"),
-            window=window,
-            window_ppl=windows,
-            kv_mb=runner.kv_bytes / 2**20,
-            tokens_per_s=len(nll) / runner.seconds if runner.seconds else float("nan"),
-            kl=runner.kl_sum / runner.compared if runner.compared else None,
-            top1=runner.top1 / runner.compared if runner.compared else None,
-            fidelity_tokens=runner.compared,
-            note=runner.run.note,
-            nll_file=files[runner.run.label].name if files else None,
-            nll=nll,
-        )
+        if checkpoint is not None:
+            checkpoint.close(finished=done >= total)
+    results = {
+        r.run.label: r.result(chunk, window, checkpoint.files[r.run.label].name if checkpoint else None)
+        for r in runners
+    }
     return {label: results[label] for label in labels}
 
 
