@@ -21,4 +21,4 @@ test: install
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests

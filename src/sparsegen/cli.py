@@ -279,7 +279,7 @@ def bench_prune_command(
     out.print((out_dir / "bench_prune.md").read_text())
 
 
-@bench_app.command("prune-quality")
+@eval_app.command("prune-quality")
 def prune_quality_command(
     model: str = ModelOpt,
     calib_text: str = typer.Option("shakespeare", "--calib-text"),
@@ -291,7 +291,7 @@ def prune_quality_command(
     out_dir: Path = typer.Option(Path("results/prune_quality"), "--out"),
 ) -> None:
     """Perplexity and pruning time per method and pattern (50%, 4:8, 2:4; OWL at 70%)."""
-    from sparsegen.bench.prune import prune_quality
+    from sparsegen.eval.prune_quality import prune_quality
 
     prune_quality(
         model,
