@@ -163,3 +163,15 @@ def test_a_truncated_checkpoint_is_a_clear_error(tiny_folder):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(SparsegenError, match="truncated or corrupt"):
         sparsegen.load(str(tiny_folder))
+
+
+def test_a_benchmark_row_is_reused_only_for_the_same_tasks_and_items(tmp_path):
+    import json
+
+    from sparsegen.bench.zeroshot import _done
+
+    summary = {"settings": {"limit": 100}, "tasks": {"piqa": {}, "copa": {}}, "mean_acc": 0.5}
+    (tmp_path / "results.json").write_text(json.dumps(summary))
+    assert _done(tmp_path, ["piqa", "copa"], 100) == summary
+    assert _done(tmp_path, ["piqa", "copa"], 60) is None
+    assert _done(tmp_path, ["piqa"], 100) is None

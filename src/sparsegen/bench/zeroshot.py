@@ -29,13 +29,13 @@ PRUNE_ROWS = [
 KV_POLICIES = ("h2o", "streaming", "window")
 
 
-def _done(folder: Path, tasks: list[str]) -> dict | None:
-    """The saved summary of a finished row, so a rerun skips its pruning too."""
+def _done(folder: Path, tasks: list[str], limit: int | None) -> dict | None:
+    """The saved summary of a row finished with these tasks and items, so a rerun skips its pruning too."""
     path = folder / "results.json"
     if not path.exists():
         return None
     summary = json.loads(path.read_text())
-    return summary if list(summary["tasks"]) == tasks else None
+    return summary if list(summary["tasks"]) == tasks and summary["settings"]["limit"] == limit else None
 
 
 def _row(label: dict, summary: dict) -> dict:
@@ -67,7 +67,7 @@ def bench_zeroshot(
     calibration = None
 
     def run(folder: Path, label: dict, make_lm) -> dict:
-        summary = _done(folder, tasks)
+        summary = _done(folder, tasks, limit)
         if summary is None:
             progress(f"{' '.join(str(v) for v in label.values())}")
             summary = zeroshot_job(
