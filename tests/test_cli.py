@@ -77,6 +77,8 @@ def test_bad_input_is_one_line_not_a_traceback(monkeypatch, capsys, tiny_folder,
     assert code == 2 and "sinks (4) must be smaller than the budget (4)" in err and "Traceback" not in err
     code, _, err = run_cli(monkeypatch, capsys, "stream", "--model", tiny_folder, "--text", tmp_path / "none.txt")
     assert code == 2 and "not found" in err
+    code, _, err = run_cli(monkeypatch, capsys, "stream", "--model", tiny_folder, "--policies", "full,snapkv")
+    assert code == 2 and "snapkv compresses a prompt once" in err and "Traceback" not in err
 
 
 def test_stream_main_job_writes_table_plot_json_and_nll(monkeypatch, capsys, tiny_folder, tiny_text, tmp_path):
@@ -100,13 +102,16 @@ def test_stream_main_job_writes_table_plot_json_and_nll(monkeypatch, capsys, tin
     )
     assert code == 0, out
     results = json.loads((out_dir / "results.json").read_text())
-    assert set(results) == {"full", "window", "streaming", "h2o", "streaming_h2o"}
+    assert set(results) == {"full", "window", "streaming", "h2o", "streaming_h2o", "tova"}
     assert results["full"]["tokens"] == 256 and "window" in results["full"]["note"]
     for label, row in results.items():
         lines = (out_dir / row["nll_file"]).read_text().split()
         assert len(lines) == row["tokens"] and row["chunk"] == 16
         if label != "full":
-            assert row["tokens"] == 299 and row["kl"] is not None and row["kv_mb"] > 0
+            assert row["tokens"] == 299 and row["kl"] is not None
+            assert row["kv_mb"] == pytest.approx(
+                32 * 3 * 2 * 16 * 2 * 4 / 2**20
+            )  # budget x layers x heads x dim x K,V x fp32
     assert (out_dir / "stream_nll.png").stat().st_size > 10_000
     assert "streaming_h2o" in out and "KL vs full" in out
 

@@ -107,7 +107,7 @@ def stream(
     model: str = ModelOpt,
     text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
     policies: str = typer.Option(
-        "full,window,streaming,h2o,streaming_h2o",
+        ",".join(name for name, policy in POLICIES.items() if not policy.prefill_only),
         "--policies",
         help=f"Comma-separated, of {', '.join(sorted(POLICIES))}; full always runs as the reference, up to the "
         "model's window.",

@@ -45,6 +45,11 @@ def policy_runs(
     for name in policies:
         if name not in POLICIES:
             raise SparsegenError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
+        if POLICIES[name].prefill_only:
+            raise SparsegenError(
+                f"{name} compresses a prompt once and then keeps every token, so it cannot bound a stream; "
+                "compare it with `sparsegen eval needle` or `eval zeroshot`"
+            )
         if name == "full":
             runs.append(
                 PolicyRun(
