@@ -156,7 +156,11 @@ class Engine:
         """The held conversation this chat continues (and the ids still to read), or a new one."""
         with self._lock:
             if job.text is not None:
-                matches = [(k, c) for k, c in self.conversations.items() if job.text.startswith(c.text) and c.text]
+                matches = [
+                    (k, c)
+                    for k, c in self.conversations.items()
+                    if c.text and len(job.text) > len(c.text) and job.text.startswith(c.text)
+                ]
                 if matches:
                     key, conversation = max(matches, key=lambda kc: len(kc[1].text))
                     del self.conversations[key]
