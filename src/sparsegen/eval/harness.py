@@ -119,12 +119,11 @@ class SparsegenLM(HFLM):
     @torch.inference_mode()
     def policy_logits(self, tokens: list[int], read: int) -> torch.Tensor:
         """Logits [n - read, vocab] of `tokens[read:]`, after `tokens[:read]` went through a policy cache."""
-        ids = torch.tensor(tokens, device=self.device)[None]
+        from sparsegen.kv.decode import read as read_into
+
         cache = self._make_cache(max(read, 1))
-        step = self.chunk or max(read, 1)
-        for start in range(0, read, step):
-            self.model(input_ids=ids[:, start : min(read, start + step)], past_key_values=cache, use_cache=True)
-        return self.model(input_ids=ids[:, read:], past_key_values=cache, use_cache=True).logits[0].float()
+        read_into(self.model, tokens[:read], cache, self.chunk)
+        return read_into(self.model, tokens[read:], cache, all_logits=True)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if not self.uses_policy:

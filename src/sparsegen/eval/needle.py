@@ -21,6 +21,7 @@ import torch
 
 from sparsegen.data import tokenize_long
 from sparsegen.ioutil import write_json
+from sparsegen.kv.decode import read
 
 NEEDLE = " The secret passkey is {key}. Remember it: the secret passkey is {key}. "
 QUESTION = "\n\nWhat is the secret passkey? The secret passkey is"
@@ -45,16 +46,12 @@ def build_prompt(tokenizer, filler_ids: torch.Tensor, length: int, depth: float,
 @torch.inference_mode()
 def retrieve(model, tokenizer, context: list[int], question: list[int], cache, chunk: int | None, answer_tokens=8):
     """Read `context` into `cache` (compressing it), then the question; return the greedy answer text."""
-    ids = torch.tensor(context)[None]
-    step = chunk or len(context)
-    for start in range(0, len(context), step):
-        model(input_ids=ids[:, start : start + step], past_key_values=cache, use_cache=True)
-    logits = model(input_ids=torch.tensor(question)[None], past_key_values=cache, use_cache=True).logits
+    read(model, context, cache, chunk)
+    logits = read(model, question, cache)
     answer = []
     for _ in range(answer_tokens):
-        token = logits[0, -1].argmax()
-        answer.append(int(token))
-        logits = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits
+        answer.append(int(logits.argmax()))
+        logits = read(model, answer[-1:], cache)
     return tokenizer.decode(answer, skip_special_tokens=True)
 
 

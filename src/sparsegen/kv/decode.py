@@ -26,6 +26,25 @@ class StreamStep:
 
 
 @torch.inference_mode()
+def read(
+    model: torch.nn.Module, ids: list[int], cache: PolicyCache, chunk: int | None = None, all_logits: bool = False
+) -> torch.Tensor | None:
+    """Read token `ids` into `cache`, `chunk` tokens per forward (default: one forward), so the policy
+    evicts between chunks. Returns the logits of every id [n, vocab] with `all_logits`, else of the
+    last one [vocab] (None for no ids); only what is returned is kept, so long prompts stay cheap."""
+    device = next(model.parameters()).device
+    step = chunk or max(len(ids), 1)
+    kept = []
+    for start in range(0, len(ids), step):
+        piece = torch.tensor(ids[start : start + step], device=device)[None]
+        logits = model(input_ids=piece, past_key_values=cache, use_cache=True).logits[0].float()
+        kept.append(logits if all_logits else logits[-1])
+    if not kept:
+        return None
+    return torch.cat(kept) if all_logits else kept[-1]
+
+
+@torch.inference_mode()
 def stream(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsegen.kv import PolicyCache, make_cache
+from sparsegen.kv.decode import read
 
 
 @dataclass
@@ -144,13 +145,9 @@ class Engine:
             self._finish(job, None)
             job.emit("error", f"{type(exc).__name__}: {exc}")
 
-    def _forward(self, ids: list[int], cache: PolicyCache) -> torch.Tensor:
-        """Read `ids` into `cache` in chunks; returns the logits of every id [n, vocab]."""
-        logits = []
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = torch.tensor(ids[start : start + self.prefill_chunk], device=self.device)[None]
-            logits.append(self.model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0].float())
-        return torch.cat(logits)
+    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool) -> torch.Tensor:
+        """Read `ids` into `cache` in chunks; the logits of every id, or of the last one."""
+        return read(self.model, ids, cache, self.prefill_chunk, all_logits)
 
     def _claim_conversation(self, job: Job) -> tuple[Conversation, list[int]]:
         """The held conversation this chat continues (and the ids still to read), or a new one."""
@@ -182,10 +179,11 @@ class Engine:
             self.active.append(job)
         if job.seed is not None:
             job.generator = torch.Generator(device=self.device).manual_seed(job.seed)
-        logits = self._forward(ids, job.conversation.cache)
+        logits = self._forward(ids, job.conversation.cache, all_logits=job.echo)
         if job.echo:
             job.emit("prompt_logprobs", self._prompt_logprobs(ids, logits, job.logprobs or 0))
-        job.next_logits = logits[-1]
+            logits = logits[-1]
+        job.next_logits = logits
         if job.max_tokens == 0:
             self._complete(job, "length")
 
