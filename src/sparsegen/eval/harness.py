@@ -53,7 +53,8 @@ class SparsegenLM(HFLM):
     `model`: an embedded name, a model folder or a pruned checkpoint. `policy`: a KV policy name
     (`full` = no eviction); `budget` (total) or `sinks`/`heavy`/`recent` (parts), each an int count
     or a float share of the request's context. `chunk`: read the context this many tokens at a time.
-    A ready `(model, tokenizer)` can be passed as `loaded` from Python.
+    `prompt`: a soft prompt folder read before every request (full cache only). From Python, a
+    ready `(model, tokenizer)` can be passed as `loaded` and a `SoftPrompt` as `soft_prompt`.
     """
 
     def __init__(
@@ -68,7 +69,9 @@ class SparsegenLM(HFLM):
         chunk: int | None = None,
         dtype: str = "float32",
         batch_size: int | str = 1,
+        prompt: str | None = None,
         loaded: tuple | None = None,
+        soft_prompt=None,
         **kwargs,
     ) -> None:
         from sparsegen.kv import POLICIES
@@ -81,6 +84,13 @@ class SparsegenLM(HFLM):
         if chunk is not None and chunk < 1:
             raise SparsegenError(f"chunk must be >= 1, got {chunk}")
         network, tokenizer = loaded if loaded is not None else load(model, dtype=_DTYPES[dtype])
+        if prompt is not None:
+            from sparsegen.prompt import SoftPrompt
+
+            soft_prompt = SoftPrompt.load(prompt, network)
+        if soft_prompt is not None and policy != "full":
+            raise SparsegenError("zero-shot scoring with a soft prompt runs on the full cache; drop the KV policy")
+        self.soft_prompt, self.prompt = soft_prompt, prompt
         for option in ("device", "max_batch_size"):
             kwargs.pop(option, None)  # lm-eval passes these; the model is already placed
         self.policy = policy
@@ -108,7 +118,16 @@ class SparsegenLM(HFLM):
             **self.parts,
             "position": self.position,
             "chunk": self.chunk,
+            **({"prompt": self.prompt or f"{self.soft_prompt.tokens} virtual tokens"} if self.soft_prompt else {}),
         }
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """Logits of `inps` (right-padded rows), read after the soft prompt when there is one."""
+        if self.soft_prompt is None:
+            return super()._model_call(inps, attn_mask, labels)
+        with torch.no_grad():
+            embeds = self.soft_prompt.prepend(self.model.get_input_embeddings()(inps))
+            return self.model(inputs_embeds=embeds).logits[:, self.soft_prompt.tokens :]
 
     def _make_cache(self, context_length: int):
         from sparsegen.kv import make_cache

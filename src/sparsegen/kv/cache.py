@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import attention
-from sparsegen.kv.base import Policy, Sizes, Step
+from sparsegen.kv.base import KEEP, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
 
 
@@ -37,9 +37,12 @@ class PolicyLayer(CacheLayerMixin):
     is_croppable = False
     _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys")
 
-    def __init__(self, policy: Policy, rotation: KeyRotation | None = None, layer_idx: int | None = None) -> None:
+    def __init__(
+        self, policy: Policy, rotation: KeyRotation | None = None, layer_idx: int | None = None, pinned: int = 0
+    ) -> None:
         super().__init__()
         self.policy = policy
+        self.pinned = pinned
         self.layer_idx = layer_idx
         self.awaiting_attention = False
         self.rotation = rotation
@@ -74,7 +77,8 @@ class PolicyLayer(CacheLayerMixin):
         n = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.sizes = self.policy.sizes(n)
+        if self.sizes is None and self.cumulative_length + n > self.pinned:
+            self.sizes = self._resolve_sizes(self.cumulative_length + n - self.pinned)
         new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
         new_positions = new_positions.expand(*key_states.shape[:2], n)
         if self.hole is not None and n == 1:
@@ -86,6 +90,14 @@ class PolicyLayer(CacheLayerMixin):
         self.cumulative_length += n
         self.new_tokens = n
         return attention.tag(self._keys_for_attention(), self), self.values[:, :, : self.size]
+
+    def _resolve_sizes(self, prompt_length: int) -> Sizes | None:
+        """The policy's budget for the first prompt after the pinned prefix, which comes on top
+        (kept as sinks)."""
+        sizes = self.policy.sizes(prompt_length)
+        if sizes is None or not self.pinned:
+            return sizes
+        return Sizes(sizes.sinks + self.pinned, sizes.heavy, sizes.recent)
 
     def _keys_for_attention(self) -> torch.Tensor:
         keys = self.keys[:, :, : self.size]
@@ -250,6 +262,8 @@ class PolicyLayer(CacheLayerMixin):
         if self.size <= self.sizes.budget:
             return
         priority = self.policy.priority(step)
+        if self.pinned:
+            priority = priority.masked_fill(step.positions < self.pinned, KEEP)
         if self.size - self.sizes.budget == 1 and not self.compressed:
             self.hole = priority.argmin(-1, keepdim=True)
             self.size -= 1
@@ -358,6 +372,7 @@ def make_cache(
     policy: str | Policy = "streaming",
     position: str | None = None,
     budget: int | None = None,
+    pinned: int = 0,
     **parts: int | float,
 ) -> PolicyCache:
     """A `Cache` for `model.generate(..., past_key_values=cache)` that applies a KV policy.
@@ -366,7 +381,8 @@ def make_cache(
     budget as `budget=` (a total, split as the policy needs) or as parts (`sinks=`, `heavy=`,
     `recent=`; ints are counts, floats < 1 ratios of the prompt). `position` is "original" (keys
     keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
-    the default is the policy's. Full-attention layers get the policy; sliding-window layers (Gemma
+    the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
+    never evicted and come on top of the budget. Full-attention layers get the policy; sliding-window layers (Gemma
     3) keep their own window. The model is switched to sparsegen's wrapper of its attention
     implementation (same numbers), which is how eviction follows each attention call.
     """
@@ -391,7 +407,7 @@ def make_cache(
     layers: list[CacheLayerMixin] = []
     for index, layer_type in enumerate(_layer_types(model.config)):
         if layer_type == "full_attention":
-            layers.append(PolicyLayer(policy, rotation, layer_idx=index))
+            layers.append(PolicyLayer(policy, rotation, layer_idx=index, pinned=pinned))
         elif layer_type == "sliding_attention":
             from transformers.cache_utils import DynamicSlidingWindowLayer
 

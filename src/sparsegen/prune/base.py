@@ -82,6 +82,27 @@ class InputStats:
         self.samples += tokens
 
 
+def inverse_hessian_factor(hessian: torch.Tensor, weight: torch.Tensor, damping: float, method: str) -> torch.Tensor:
+    """Upper Cholesky factor of the damped H^-1 (the OBS machinery SparseGPT and GPTQ share).
+
+    Inputs that never fire get H_jj = 1 and their weight column zeroed in place; damping adds
+    `damping` * mean(diag H) to the diagonal.
+    """
+    hessian = hessian.double()  # the inverse of an ill-conditioned H needs the headroom
+    dead = hessian.diagonal() == 0
+    hessian[dead, dead] = 1
+    weight[:, dead] = 0
+    hessian.diagonal().add_(damping * hessian.diagonal().mean())
+    try:
+        lower = torch.linalg.cholesky(hessian)
+        inverse = torch.cholesky_inverse(lower)
+        return torch.linalg.cholesky(inverse, upper=True).float()
+    except torch.linalg.LinAlgError as exc:
+        raise SparsegenError(
+            f"{method}: the Hessian is not positive definite; use more calibration samples or a larger damping"
+        ) from exc
+
+
 class Pruner(ABC):
     """Base class: set `name`, `needs_calibration`, `needs_hessian`; implement `prune_weight`."""
 

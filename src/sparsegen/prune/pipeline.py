@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,44 @@ def _collect(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict, dtype: 
     return linears, stats
 
 
+def calibration_inputs(
+    model: nn.Module, calibration: torch.Tensor, batch: int = 8, calibration_dtype: torch.dtype | None | str = "auto"
+) -> tuple[list[torch.Tensor], list[dict], torch.dtype | None]:
+    """Inputs of block 0 for the calibration ids, each block's call arguments, and the forward dtype."""
+    device = next(model.parameters()).device
+    dtype = fast_calibration_dtype(device) if calibration_dtype == "auto" else calibration_dtype
+    inputs, kwargs = _capture(model, decoder_layers(model), calibration.to(device), batch)
+    return inputs, kwargs, dtype
+
+
+def rewrite_layerwise(
+    layers: nn.ModuleList,
+    rewrite: Callable[[int, str, nn.Linear, InputStats | None], None],
+    inputs: list[torch.Tensor] | None,
+    kwargs: list[dict] | None,
+    dtype: torch.dtype | None,
+    need_hessian: bool,
+    desc: str,
+    progress: bool = True,
+) -> None:
+    """Call `rewrite(block_index, name, linear, stats)` on every Linear of every block, in order.
+
+    With calibration `inputs`, each block's statistics come from its dense forward over the
+    outputs of the already rewritten blocks before it (the standard sequential protocol);
+    without, `stats` is None.
+    """
+    for i, block in enumerate(tqdm(layers, desc=desc, unit="block", disable=not progress)):
+        if inputs is None:
+            linears, stats = block_linears(block), {}
+        else:
+            linears, stats = _collect(block, inputs, kwargs[i], dtype, need_hessian)
+        for name, linear in linears.items():
+            rewrite(i, name, linear, stats.get(name))
+        if inputs is not None and i + 1 < len(layers):
+            stats.clear()
+            inputs = _run_block(block, inputs, kwargs[i], dtype)
+
+
 def prune(
     model: nn.Module,
     method: str = "wanda",
@@ -160,10 +199,10 @@ def prune(
     n_samples, seqlen = calibration.shape if needs_data else (0, 0)
     report = PruneReport(method, str(shape), shape.sparsity, owl, n_samples, seqlen)
     started = time.perf_counter()
-    device = next(model.parameters()).device
-    dtype = fast_calibration_dtype(device) if calibration_dtype == "auto" else calibration_dtype
     ratios = [shape.sparsity] * len(layers)
-    inputs, kwargs = _capture(model, layers, calibration.to(device), batch) if needs_data else (None, None)
+    inputs, kwargs, dtype = (
+        calibration_inputs(model, calibration, batch, calibration_dtype) if needs_data else (None, None, None)
+    )
     if owl:
         scores, hidden = [], inputs
         for i, block in enumerate(tqdm(layers, desc="OWL outliers", disable=not progress)):
@@ -171,23 +210,17 @@ def prune(
             scores.append(outlier_ratio(linears, stats))
             hidden = _run_block(block, hidden, kwargs[i], dtype)
         ratios = owl_ratios(scores, shape.sparsity)
-    for i, block in enumerate(tqdm(layers, desc=f"{method} {shape}", unit="block", disable=not progress)):
-        block_shape = Pattern(ratios[i], shape.n, shape.m)
-        linears, stats = (
-            _collect(block, inputs, kwargs[i], dtype, pruner.needs_hessian)
-            if needs_data
-            else (block_linears(block), {})
-        )
-        zeros = total = 0
-        for name, linear in linears.items():
-            pruned = pruner.prune_weight(linear.weight.data, block_shape, stats.get(name))
-            linear.weight.data.copy_(pruned.to(linear.weight.dtype))
-            zero = int((linear.weight.data == 0).sum())
-            report.layers[f"{i}.{name}"] = zero / linear.weight.numel()
-            zeros, total = zeros + zero, total + linear.weight.numel()
-        report.block_sparsity.append(zeros / total)
-        if needs_data and i + 1 < len(layers):
-            stats.clear()
-            inputs = _run_block(block, inputs, kwargs[i], dtype)
+    block_counts: list[list[int]] = [[0, 0] for _ in layers]
+
+    def prune_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> None:
+        pruned = pruner.prune_weight(linear.weight.data, Pattern(ratios[i], shape.n, shape.m), stats)
+        linear.weight.data.copy_(pruned.to(linear.weight.dtype))
+        zero = int((linear.weight.data == 0).sum())
+        report.layers[f"{i}.{name}"] = zero / linear.weight.numel()
+        block_counts[i][0] += zero
+        block_counts[i][1] += linear.weight.numel()
+
+    rewrite_layerwise(layers, prune_linear, inputs, kwargs, dtype, pruner.needs_hessian, f"{method} {shape}", progress)
+    report.block_sparsity = [zeros / total for zeros, total in block_counts]
     report.seconds = time.perf_counter() - started
     return report

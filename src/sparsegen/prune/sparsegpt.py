@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.prune.base import InputStats, Pattern, Pruner, mask_lowest, register_pruner
+from sparsegen.prune.base import InputStats, Pattern, Pruner, inverse_hessian_factor, mask_lowest, register_pruner
 
 
 @register_pruner
@@ -30,26 +30,11 @@ class SparseGPTPruner(Pruner):
             raise SparsegenError(f"mask_scope must be 'row' or 'block', got {mask_scope!r}")
         self.block_size, self.damping, self.mask_scope = block_size, damping, mask_scope
 
-    def inverse_hessian_factor(self, hessian: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        hessian = hessian.double()  # the inverse of an ill-conditioned H needs the headroom
-        dead = hessian.diagonal() == 0
-        hessian[dead, dead] = 1
-        weight[:, dead] = 0
-        hessian.diagonal().add_(self.damping * hessian.diagonal().mean())
-        try:
-            lower = torch.linalg.cholesky(hessian)
-            inverse = torch.cholesky_inverse(lower)
-            return torch.linalg.cholesky(inverse, upper=True).float()
-        except torch.linalg.LinAlgError as exc:
-            raise SparsegenError(
-                "SparseGPT: the Hessian is not positive definite; use more calibration samples or a larger damping"
-            ) from exc
-
     def prune_weight(self, weight: torch.Tensor, pattern: Pattern, stats: InputStats | None) -> torch.Tensor:
         weight = weight.float().clone()
         if pattern.sparsity == 0:
             return weight
-        hinv = self.inverse_hessian_factor(stats.hessian, weight)
+        hinv = inverse_hessian_factor(stats.hessian, weight, self.damping, self.name)
         rows, cols = weight.shape
         for start in range(0, cols, self.block_size):
             stop = min(start + self.block_size, cols)

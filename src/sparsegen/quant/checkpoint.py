@@ -1,0 +1,124 @@
+"""Quantized checkpoints in compressed-tensors' `pack-quantized` layout, written by that library.
+
+Each quantized Linear stores `weight_packed` (int32 words holding 32/bits integers each),
+`weight_scale` (fp16, one per group) and, when asymmetric, `weight_zero_point` (packed the same
+way); config.json carries compressed-tensors' `quantization_config`, with one config group per
+group size in use. `sparsegen.load` reads these folders back with the same library's decoder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparsegen.errors import SparsegenError
+from sparsegen.quant.pipeline import QuantReport
+
+FORMAT = "pack-quantized"
+
+
+def _config(report: QuantReport):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    by_size: dict[int, list[str]] = {}
+    for suffix, size in sorted(report.group_sizes.items()):
+        by_size.setdefault(size, []).append(suffix)
+    groups = {
+        f"group_{i}": QuantizationScheme(
+            targets=[f"re:.*\\.({'|'.join(suffixes)})$"],
+            weights=QuantizationArgs(
+                num_bits=report.bits,
+                type="int",
+                symmetric=report.symmetric,
+                strategy="group",
+                group_size=size,
+                scale_dtype=report.scheme.scale_dtype,
+                observer="minmax",
+            ),
+        )
+        for i, (size, suffixes) in enumerate(sorted(by_size.items()))
+    }
+    return QuantizationConfig(config_groups=groups, ignore=["lm_head"], quantization_status="frozen", format=FORMAT)
+
+
+def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantReport) -> Path:
+    """Write the quantized model (and tokenizer) to `out` atomically; the model itself is left as is."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+
+    if not report.grids:
+        raise SparsegenError("nothing to save: the report holds no quantized layers (run quantize first)")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = _config(report)
+    packed = copy.deepcopy(model)
+    apply_quantization_config(packed, config, show_progress=False)
+    modules = dict(packed.named_modules())
+    for name, grid in report.grids.items():
+        module = modules[name]
+        module.weight.data.copy_(grid.weight.to(module.weight.dtype))
+        module.weight_scale = nn.Parameter(grid.scale.to(report.scheme.scale_dtype), requires_grad=False)
+        if not report.symmetric:
+            module.weight_zero_point.data.copy_(grid.zero_point.to(module.weight_zero_point.dtype))
+    settings = {f.name: getattr(report, f.name) for f in fields(report) if f.name != "grids"}
+    packed.config.sparsegen_quantization = settings
+    if isinstance(getattr(packed.config, "sparsity_config", None), dict):  # pruned before: zeros now packed
+        packed.config.sparsity_config = {**packed.config.sparsity_config, "format": "dense"}
+    compressor = ModelCompressor(quantization_config=config, force_compression_format=FORMAT)
+    compressor.compress_model(packed)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        folder = Path(tmp) / "model"
+        packed.save_pretrained(folder)
+        compressor.update_config(str(folder))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(folder, out)
+    return out
+
+
+def quantization_config(folder: str | Path) -> dict | None:
+    """The compressed-tensors quantization config of a checkpoint folder, or None."""
+    config = Path(folder) / "config.json"
+    if not config.exists():
+        return None
+    found = json.loads(config.read_text()).get("quantization_config")
+    return found if found and found.get("quant_method") == "compressed-tensors" else None
+
+
+def dequantize_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Replace each packed Linear's tensors in `state` by its float weight, using compressed-tensors."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    parsed = QuantizationConfig.model_validate(config)
+    if parsed.format != FORMAT:
+        raise SparsegenError(f"quantized checkpoints in format {parsed.format!r} are not supported; use {FORMAT!r}")
+    compressor = BaseCompressor.get_value_from_registry(FORMAT)
+    out = {name: tensor for name, tensor in state.items() if not name.rsplit(".", 1)[-1].startswith("weight_")}
+    for packed in [name for name in state if name.endswith(".weight_packed")]:
+        module = packed[: -len(".weight_packed")]
+        scheme = _scheme_for(module, parsed)
+        local = {key: state[f"{module}.{key}"] for key in ("weight_packed", "weight_scale", "weight_shape")}
+        if f"{module}.weight_zero_point" in state:
+            local["weight_zero_point"] = state[f"{module}.weight_zero_point"]
+        out[f"{module}.weight"] = compressor.decompress(local, scheme)["weight"]
+    return out
+
+
+def _scheme_for(module: str, config):
+    for scheme in config.config_groups.values():
+        for target in scheme.targets:
+            if target.startswith("re:") and re.match(target[3:], module) or module.endswith(target):
+                return scheme
+    raise SparsegenError(f"quantized layer {module} matches no config group of the checkpoint's quantization_config")

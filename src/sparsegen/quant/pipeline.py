@@ -1,0 +1,80 @@
+"""Quantize every decoder Linear layer by layer, as pruning does (GPTQ calibrates each block on the
+outputs of the quantized blocks before it)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sparsegen.errors import SparsegenError
+from sparsegen.prune.base import InputStats
+from sparsegen.prune.pipeline import calibration_inputs, decoder_layers, rewrite_layerwise
+from sparsegen.quant.base import QuantizedWeight, QuantScheme, make_quantizer
+
+
+@dataclass
+class QuantReport:
+    """What was done (stored in checkpoints); `grids` holds each layer's scales for saving."""
+
+    method: str
+    bits: int
+    group_size: int
+    symmetric: bool
+    n_samples: int
+    seqlen: int
+    group_sizes: dict[str, int] = field(default_factory=dict)  # per Linear name suffix: the size used
+    seconds: float = 0.0
+    grids: dict[str, QuantizedWeight] = field(default_factory=dict, repr=False)
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(self.bits, self.group_size, self.symmetric)
+
+
+def quantize(
+    model: nn.Module,
+    method: str = "rtn",
+    bits: int = 4,
+    group_size: int = 128,
+    symmetric: bool = False,
+    calibration: torch.Tensor | None = None,
+    batch: int = 8,
+    progress: bool = True,
+    **options,
+) -> QuantReport:
+    """Quantize the Linear weights of `model`'s decoder blocks in place (weight-only); return a report.
+
+    The weights become their dequantized values, so the model runs as before; `report.grids` keeps
+    the integers' scales for `save_quantized`. Zeros (pruned weights) stay zero. GPTQ needs
+    `calibration` ids [n_samples, seqlen].
+    """
+    scheme = QuantScheme(bits, group_size, symmetric)
+    quantizer = make_quantizer(method, **options)
+    if quantizer.needs_calibration and (calibration is None or calibration.dim() != 2):
+        raise SparsegenError(f"{method} needs calibration token ids [n_samples, seqlen]")
+    n_samples, seqlen = calibration.shape if quantizer.needs_calibration else (0, 0)
+    report = QuantReport(method, bits, group_size, symmetric, n_samples, seqlen)
+    started = time.perf_counter()
+    layers = decoder_layers(model)
+    prefix = _layers_prefix(model, layers)
+    inputs, kwargs, dtype = (
+        calibration_inputs(model, calibration, batch) if quantizer.needs_calibration else (None, None, None)
+    )
+
+    def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> None:
+        result = quantizer.quantize_weight(linear.weight.data, scheme, stats)
+        linear.weight.data.copy_(result.weight.to(linear.weight.dtype))
+        report.grids[f"{prefix}.{i}.{name}"] = result
+        report.group_sizes[name.rsplit(".", 1)[-1]] = result.group_size
+
+    desc = f"{method} int{bits} g{group_size}"
+    rewrite_layerwise(layers, quantize_linear, inputs, kwargs, dtype, quantizer.needs_hessian, desc, progress)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
+    return next(name for name, module in model.named_modules() if module is layers)

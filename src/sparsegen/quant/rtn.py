@@ -1,0 +1,20 @@
+"""Round to nearest: each group's min-max grid, every weight to its nearest level (no data needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsegen.prune.base import InputStats
+from sparsegen.quant.base import QuantizedWeight, Quantizer, QuantScheme, register_quantizer
+
+
+@register_quantizer
+class RTNQuantizer(Quantizer):
+    name = "rtn"
+
+    def quantize_weight(self, weight: torch.Tensor, scheme: QuantScheme, stats: InputStats | None) -> QuantizedWeight:
+        group = scheme.group_for(weight.shape[1])
+        groups = weight.float().unflatten(1, (-1, group))
+        scale, zero = scheme.params(groups)
+        values = scheme.fake_quantize(groups, scale[..., None], zero[..., None]).flatten(1)
+        return QuantizedWeight(values, scale, zero, group)
