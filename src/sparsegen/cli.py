@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from sparsegen.contextual import SELECTORS
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import POLICIES, settings_help
 from sparsegen.prune import PRUNERS as PRUNER_NAMES
@@ -22,6 +23,8 @@ eval_app = typer.Typer(help="Evaluation: windowed perplexity, zero-shot accuracy
 app.add_typer(eval_app, name="eval")
 prompt_app = typer.Typer(help="Compress, then prompt: learn and evaluate soft prompts.", no_args_is_help=True)
 app.add_typer(prompt_app, name="prompt")
+contextual_app = typer.Typer(help="Contextual sparsity: per-token MLP neuron selection.", no_args_is_help=True)
+app.add_typer(contextual_app, name="contextual")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
@@ -378,6 +381,105 @@ def bench_compress_prompt_command(
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
     )
     out.print((out_dir / "bench_compress_prompt.md").read_text())
+
+
+SELECTOR_HELP = "; ".join(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}" for name, cls in SELECTORS.items())
+
+
+def _floats(values: str) -> list[float]:
+    return [float(v) for v in values.split(",") if v.strip()]
+
+
+@contextual_app.command("train")
+def contextual_train_command(
+    model: str = ModelOpt,
+    selector: str = typer.Option("threshold", "--selector", help=SELECTOR_HELP),
+    sparsity: float = typer.Option(0.5, "--sparsity", help="Share of MLP neurons skipped per token, in [0, 1)."),
+    dense_layers: int = typer.Option(0, "--dense-layers", help="First layers left dense."),
+    calib_text: str = typer.Option("shakespeare", "--calib-text"),
+    n_samples: int = typer.Option(8, "--n-samples"),
+    seqlen: int = typer.Option(256, "--seqlen"),
+    out_dir: Path = typer.Option(..., "--out", help="Folder for contextual.safetensors (next to the model)."),
+) -> None:
+    """Calibrate a neuron selector per layer on real text and save it."""
+    from sparsegen.contextual import save_selectors, sparsify
+    from sparsegen.data import calibration_samples, load_text
+    from sparsegen.models import load
+
+    loaded, tokenizer = load(model)
+    calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
+    selectors = sparsify(loaded, selector, sparsity, calibration, dense_layers=dense_layers)
+    path = save_selectors(loaded, selectors, out_dir, selector, sparsity)
+    out.print(f"{selector} at {sparsity:.0%} for {sum(s is not None for s in selectors)} layers -> {path}")
+
+
+@contextual_app.command("eval")
+def contextual_eval_command(
+    model: str = ModelOpt,
+    selectors: str = typer.Option("oracle,threshold,static", "--selectors", help=SELECTOR_HELP),
+    sparsities: str = typer.Option("0.25,0.4,0.5,0.6", "--sparsities"),
+    text: str = typer.Option("milton", "--text", help="A text the calibration does not use."),
+    calib_text: str = typer.Option("shakespeare", "--calib-text"),
+    seqlen: int = typer.Option(512, "--seqlen"),
+    windows: int = typer.Option(8, "--windows"),
+    dense_layers: int = typer.Option(0, "--dense-layers"),
+    out_dir: Path = typer.Option(Path("results/contextual_eval"), "--out"),
+) -> None:
+    """Perplexity, KL and top-1 agreement against dense, per selector and sparsity (table and plot)."""
+    from sparsegen.contextual.evaluate import quality_curve
+    from sparsegen.data import calibration_samples, load_text, tokenize_long
+    from sparsegen.ioutil import write_json, write_text
+    from sparsegen.models import load
+    from sparsegen.report import markdown_table, plot_lines
+
+    names = [name.strip() for name in selectors.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SELECTORS]
+    if unknown:
+        raise SparsegenError(f"unknown neuron selector {', '.join(unknown)}; choose from {', '.join(SELECTORS)}")
+    loaded, tokenizer = load(model)
+    calibration = calibration_samples(tokenizer, load_text(calib_text), 8, 256)
+    ids = tokenize_long(tokenizer, load_text(text))
+    rows = quality_curve(
+        loaded, ids, calibration, names, _floats(sparsities), seqlen, windows, dense_layers,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )  # fmt: skip
+    columns = [(k, k) for k in ("selector", "sparsity", "kept", "ppl", "kl", "top1")]
+    write_json(out_dir / "contextual_eval.json", {"model": model, "text": text, "seqlen": seqlen, "rows": rows})
+    write_text(out_dir / "contextual_eval.md", markdown_table(rows, columns))
+    dense = rows[0]["ppl"]
+    plot_lines(
+        {n: ([r["sparsity"] for r in rows if r["selector"] == n], [r["ppl"] for r in rows if r["selector"] == n])
+         for n in names},
+        out_dir / "contextual_eval.png", "MLP sparsity (share of neurons skipped)", f"perplexity on {text}",
+        title=f"{model}: quality vs contextual sparsity (dense {dense:.2f})",
+    )  # fmt: skip
+    out.print(markdown_table(rows, columns))
+
+
+@bench_app.command("contextual")
+def bench_contextual_command(
+    model: str = ModelOpt,
+    selectors: str = typer.Option("threshold,static", "--selectors", help=SELECTOR_HELP),
+    sparsities: str = typer.Option("0.5", "--sparsities"),
+    batches: str = typer.Option("1", "--batches", help="Batch sizes, comma-separated."),
+    context: int = typer.Option(256, "--context"),
+    tokens: int = typer.Option(32, "--tokens"),
+    out_dir: Path = typer.Option(Path("results/bench_contextual"), "--out"),
+) -> None:
+    """Decode ms/token of sparse MLPs vs dense, side by side, with the bytes-per-step bound."""
+    from sparsegen.bench.contextual import bench_contextual
+
+    bench_contextual(
+        model,
+        tuple(name.strip() for name in selectors.split(",") if name.strip()),
+        tuple(_floats(sparsities)),
+        tuple(int(b) for b in batches.split(",")),
+        context,
+        tokens,
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_contextual.md").read_text())
 
 
 @app.command("prune")

@@ -138,8 +138,10 @@ def bench_compress_prompt(
     header = (
         f"model `{model_name}`; prompt: {tokens} virtual tokens, {steps} steps, AdamW lr {lr}, {n_train} samples x "
         f"{seqlen} of the first 90% of `{train_text}`, trained on `{prompt_variant}`; compression calibrated on "
-        f"{calib_samples} x {calib_seqlen} of the same part; perplexity over the first {eval_windows} windows of {seqlen} tokens; "
-        f"group size {group_size} (or the largest divisor of a row below it); {meta['machine']}, {meta['date']}\n\n"
+        f"{calib_samples} x {calib_seqlen} of the same part; perplexity over the first {eval_windows} windows of "
+        f"{seqlen} tokens; "
+        f"group size {group_size} (or the largest divisor of a row below it); "
+        f"{meta['machine']}, {meta['date']}\n\n"
     )
     write_text(out / "bench_compress_prompt.md", header + markdown_table(rows, _columns(texts, rows)))
     return rows

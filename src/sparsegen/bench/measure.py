@@ -47,3 +47,18 @@ def run_meta(**fields) -> dict:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
     }
+
+
+def read_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
+    """Memory read bandwidth of this machine in GB/s: the best of `repeats` sums over a tensor far
+    larger than the caches (the bound a memory-bound decode step is measured against)."""
+    import time
+
+    data = torch.ones(megabytes * 2**20 // 4)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best / 1e9

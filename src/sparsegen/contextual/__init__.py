@@ -1,0 +1,18 @@
+"""Contextual sparsity (Deja Vu, CATS): per token, compute only the MLP neurons that matter."""
+
+from sparsegen.contextual import oracle, predictor, static, threshold  # noqa: F401  (register selectors)
+from sparsegen.contextual.apply import densify, load_selectors, save_selectors, sparsify
+from sparsegen.contextual.base import SELECTORS, Selector, make_selector, mlp_parts
+from sparsegen.contextual.mlp import SparseMLP
+
+__all__ = [
+    "SELECTORS",
+    "Selector",
+    "SparseMLP",
+    "densify",
+    "load_selectors",
+    "make_selector",
+    "mlp_parts",
+    "save_selectors",
+    "sparsify",
+]

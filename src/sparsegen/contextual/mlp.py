@@ -1,0 +1,108 @@
+"""An MLP that computes only the neurons its selector keeps.
+
+One token per row (decoding) takes the gathered path: rows of up (and of gate, unless the
+selector needs the whole gate) are gathered for the kept neurons, and down is stored transposed
+([neurons, hidden], Deja Vu's column-major W2) so that `embedding_bag` sums just the kept rows
+weighted by h, reading no other memory. With several rows, their kept sets are united (Deja Vu's
+batching). Longer inputs (prefill, teacher-forced evaluation) take the masked path: the dense MLP
+with each token's unkept neurons zeroed, which is what the gathered path computes token by token.
+A static selector's rows are gathered once, at construction: a smaller dense MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsegen.contextual.base import MLPParts, Selector
+
+
+class SparseMLP(nn.Module):
+    def __init__(self, parts: MLPParts, selector: Selector) -> None:
+        super().__init__()
+        self.parts, self.selector = parts, selector
+        self.original: nn.Module | None = None  # the module this one replaced, set by `sparsify`
+        self.gate, self.up, self.act = parts.gate, parts.up, parts.act
+        self.register_buffer("down_t", parts.down.weight.detach().t().contiguous(), persistent=False)
+        # gate and up rows of each neuron side by side: one gather reads both (measured 1.2x faster
+        # than two index_selects, and faster than a pre-gathered static MLP, on this CPU)
+        paired = parts.up.weight if parts.gate is None else torch.stack([parts.gate.weight, parts.up.weight], 1)
+        self.register_buffer("paired", paired.detach().reshape(parts.neurons, -1).contiguous(), persistent=False)
+        self.down_bias = parts.down.bias
+        self.compact: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+        kept = getattr(selector, "kept", None)
+        if kept is not None:
+            gate = parts.gate.weight[kept].contiguous() if parts.gate is not None else None
+            self.compact = (gate, parts.up.weight[kept].contiguous(), self.down_t[kept].t().contiguous())
+
+    @property
+    def neurons(self) -> int:
+        return self.parts.neurons
+
+    def _activated(self, x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return self.act(gate) * up if gate is not None else self.act(up)
+
+    def _down(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = hidden @ self.down_t
+        return out + self.down_bias if self.down_bias is not None else out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if self.compact is not None and shape[-2] == 1:
+            return self._static(rows).reshape(*shape[:-1], -1)
+        if shape[-2] == 1 and not self.selector.needs_hidden:
+            return self._gathered(rows).reshape(*shape[:-1], -1)
+        return self._masked(rows).reshape(*shape[:-1], -1)
+
+    def _masked(self, rows: torch.Tensor) -> torch.Tensor:
+        gate = self.gate(rows) if self.gate is not None else None
+        hidden = self._activated(rows, self.up(rows), gate)
+        gate_act = self.act(gate) if gate is not None else hidden
+        keep = self.selector.keep(rows, gate_act, hidden)
+        return self._down(hidden * keep)
+
+    def _static(self, rows: torch.Tensor) -> torch.Tensor:
+        gate_w, up_w, down_w = self.compact
+        gate = F.linear(rows, gate_w) if gate_w is not None else None
+        out = F.linear(self._activated(rows, F.linear(rows, up_w), gate), down_w)
+        return out + self.down_bias if self.down_bias is not None else out
+
+    def _paired_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """h of the kept neurons [rows, k], reading only their gate and up rows."""
+        weights = F.embedding(index, self.paired).view(-1, rows.shape[-1])  # [k * (2 or 1), hidden_size]
+        out = (weights @ rows.t()).t()
+        if self.gate is None:
+            up = out + self.up.bias[index] if self.up.bias is not None else out
+            return self.act(up)
+        gate, up = out.view(rows.shape[0], -1, 2).unbind(-1)
+        if self.gate.bias is not None:
+            gate = gate + self.gate.bias[index]
+        if self.up.bias is not None:
+            up = up + self.up.bias[index]
+        return self.act(gate) * up
+
+    def _gathered(self, rows: torch.Tensor) -> torch.Tensor:
+        gate_act = None
+        if self.selector.needs_gate:
+            gate_act = self.act(self.gate(rows)) if self.gate is not None else self.act(self.up(rows))
+        keep = self.selector.keep(rows, gate_act, None).any(0)
+        index = keep.nonzero().squeeze(1)
+        if index.numel() == self.neurons:
+            return self.parts.down(self._activated(rows, self.up(rows), self.gate(rows) if self.gate else None))
+        if gate_act is not None:  # the gate is known: gather only up's rows
+            up = _selected_rows(self.up, rows, index)
+            hidden = gate_act[:, index] * up if self.gate is not None else gate_act[:, index]
+        else:
+            hidden = self._paired_rows(rows, index)
+        if rows.shape[0] == 1:
+            out = F.embedding_bag(index[None], self.down_t, per_sample_weights=hidden[0][None], mode="sum")
+        else:
+            out = hidden @ self.down_t.index_select(0, index)
+        return out + self.down_bias if self.down_bias is not None else out
+
+
+def _selected_rows(linear: nn.Linear, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    bias = None if linear.bias is None else linear.bias[index]
+    return F.linear(rows, linear.weight.index_select(0, index), bias)

@@ -1,0 +1,181 @@
+"""Contextual sparsity: sparse MLPs equal the dense model with everything kept, the gathered path
+equals the masked dense MLP, calibration hits its target, bad inputs are clear errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from sparsegen.contextual import SELECTORS, SparseMLP, densify, load_selectors, save_selectors, sparsify
+from sparsegen.contextual.apply import collect_stats
+from sparsegen.contextual.base import mlp_parts
+from sparsegen.errors import SparsegenError
+from sparsegen.prune import decoder_layers
+from tests.conftest import build_tiny
+
+
+def _ids(n=4, seqlen=24, seed=0):
+    return torch.randint(3, 96, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
+def test_everything_kept_generates_the_dense_tokens(arch, selector):
+    model = build_tiny(arch)
+    prompt = _ids(1, 10, seed=1)
+    with torch.no_grad():
+        dense_logits = model(prompt).logits
+    dense = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    sparsify(model, selector, 0.0, calibration=_ids(), progress=False)
+    assert all(isinstance(layer.mlp, SparseMLP) for layer in decoder_layers(model))
+    assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0), dense)
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, dense_logits, rtol=1e-5, atol=1e-5)
+    densify(model)
+    assert not any(isinstance(layer.mlp, SparseMLP) for layer in decoder_layers(model))
+
+
+@pytest.mark.parametrize("selector", ["threshold", "static", "predictor"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_gathered_mlp_equals_the_dense_mlp_with_unkept_neurons_masked(arch, selector, rows):
+    model = build_tiny(arch)
+    sparsify(model, selector, 0.5, calibration=_ids(), progress=False)
+    sparse = decoder_layers(model)[1].mlp
+    parts = mlp_parts(sparse.original)
+    x = torch.randn(rows, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        flat = x[:, 0]
+        gate_act = parts.act(parts.gate(flat))
+        hidden = gate_act * parts.up(flat)
+        keep = sparse.selector.keep(flat, gate_act, hidden).any(0)  # rows share the union of their sets
+        assert 0.2 < keep.float().mean() < (0.8 if rows == 1 else 0.98)
+        expected = parts.down(hidden * keep)
+        torch.testing.assert_close(sparse(x)[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_threshold_calibration_hits_the_target_sparsity():
+    model = build_tiny("llama")
+    calibration = _ids(6, 32)
+    selectors = sparsify(model, "threshold", 0.6, calibration=calibration, progress=False)
+    densify(model)
+    stats = collect_stats(model, calibration)
+    for selector, layer in zip(selectors, stats, strict=True):
+        kept = selector.keep(None, layer.gate_act, layer.hidden).float().mean().item()
+        assert kept == pytest.approx(0.4, abs=0.01)
+
+
+def test_a_plain_relu_mlp_is_supported():
+    class ReluMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj, self.down_proj, self.act_fn = nn.Linear(8, 32), nn.Linear(32, 8), nn.ReLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.up_proj(x)))
+
+    torch.manual_seed(0)
+    mlp = ReluMLP()
+    selector = SELECTORS["threshold"](0.0)
+    selector.threshold = torch.tensor(0.0)  # ReLU zeros are exact: keeping the positive ones is lossless
+    sparse = SparseMLP(mlp_parts(mlp), selector)
+    x = torch.randn(1, 1, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(x), mlp(x), rtol=1e-5, atol=1e-6)
+        assert selector.keep(None, mlp.act_fn(mlp.up_proj(x[0])), None).float().mean() < 0.8
+
+
+def test_selectors_round_trip_and_refuse_another_model(tmp_path):
+    model = build_tiny("qwen2")
+    selectors = sparsify(model, "threshold", 0.5, calibration=_ids(), dense_layers=1, progress=False)
+    save_selectors(model, selectors, tmp_path, "threshold", 0.5)
+    with torch.no_grad():
+        expected = model(_ids(1, 12, seed=4)).logits
+    fresh = build_tiny("qwen2")
+    loaded = load_selectors(fresh, tmp_path)
+    assert loaded[0] is None and not isinstance(decoder_layers(fresh)[0].mlp, SparseMLP)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(_ids(1, 12, seed=4)).logits, expected, rtol=0, atol=0)
+    with pytest.raises(SparsegenError, match="made for another model"):
+        load_selectors(build_tiny("gemma3"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda m: sparsify(m, "threshold", 1.0, calibration=_ids()), "sparsity must be in \\[0, 1\\)"),
+        (lambda m: sparsify(m, "threshold", -0.2, calibration=_ids()), "sparsity must be in \\[0, 1\\)"),
+        (lambda m: sparsify(m, "dejavu2", 0.5), "unknown neuron selector 'dejavu2'"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(call, message):
+    with pytest.raises(SparsegenError, match=message):
+        call(build_tiny("llama"))
+
+
+def test_a_model_without_a_known_mlp_is_a_clear_error():
+    model = build_tiny("llama")
+    for layer in decoder_layers(model):
+        layer.mlp = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(SparsegenError, match="neither a gated MLP"):
+        sparsify(model, "threshold", 0.5, calibration=_ids())
+
+
+def test_sparse_mlps_compose_with_a_kv_policy_and_a_pruned_model():
+    from sparsegen.kv import make_cache
+    from sparsegen.prune import prune
+
+    model = build_tiny("mistral")
+    prune(model, "wanda", 0.5, calibration=_ids(), progress=False)
+    prompt = _ids(1, 20, seed=2)
+    expected = model.generate(
+        prompt, past_key_values=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
+    )
+    sparsify(model, "threshold", 0.0, calibration=_ids(), progress=False)
+    got = model.generate(
+        prompt, past_key_values=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
+    )
+    assert torch.equal(got, expected)
+    sparsify(model, "threshold", 0.5, calibration=_ids(), progress=False)
+    cache = make_cache(model, "streaming", budget=12)
+    model.generate(prompt, past_key_values=cache, max_new_tokens=10, do_sample=False)
+    assert cache.physical_length() <= 13
+
+
+def test_quality_curve_and_speed_bench_on_a_tiny_model(tiny_folder, tiny_text, tmp_path):
+    from sparsegen.bench.contextual import bench_contextual
+    from sparsegen.contextual.evaluate import quality_curve
+
+    model = build_tiny("llama")
+    rows = quality_curve(model, _ids(1, 200)[0], _ids(), ["oracle", "threshold"], [0.0, 0.5], seqlen=50, windows=3)
+    assert rows[0]["selector"] == "dense" and rows[0]["kl"] == pytest.approx(0, abs=1e-4)  # fp16 reference
+    by_key = {(r["selector"], r["sparsity"]): r for r in rows}
+    assert by_key[("oracle", 0.0)]["top1"] == 1.0 and by_key[("threshold", 0.0)]["kl"] < 1e-4
+    assert by_key[("oracle", 0.5)]["kept"] == pytest.approx(0.5, abs=0.02)
+    assert by_key[("oracle", 0.5)]["kl"] > 0 and by_key[("oracle", 0.5)]["kl"] < by_key[("threshold", 0.5)]["kl"]
+    bench = bench_contextual(
+        str(tiny_folder), ("threshold",), (0.5,), (1, 2), context=8, tokens=3, rounds=1, calib_text=str(tiny_text),
+        out=tmp_path, progress=lambda m: None,
+    )  # fmt: skip
+    assert [(r["selector"], r["batch"]) for r in bench] == [
+        ("dense", 1),
+        ("threshold", 1),
+        ("dense", 2),
+        ("threshold", 2),
+    ]
+    assert all(r["ms"] > 0 and 0 < r["bound"] for r in bench)
+    assert bench[1]["mb"] < bench[0]["mb"]
+
+
+def test_the_predictor_recovers_a_known_low_rank_rule():
+    from sparsegen.contextual.base import LayerStats
+    from sparsegen.contextual.predictor import PredictorSelector
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 32, generator=gen)
+    rule = torch.randn(32, 4, generator=gen) @ torch.randn(4, 64, generator=gen)  # rank 4
+    hidden = x @ rule + 100  # all positive: the largest |h| are the largest x @ rule
+    selector = PredictorSelector(0.75, rank=8, steps=400, lr=1e-2)
+    selector.calibrate(LayerStats(x, hidden, hidden))
+    assert selector.recall > 0.9
+    fresh = torch.randn(256, 32, generator=gen)
+    truth = (fresh @ rule).topk(16, dim=-1).indices
+    chosen = selector.keep(fresh, None, None)
+    assert chosen.sum(-1).eq(16).all() and chosen.gather(1, truth).float().mean() > 0.9

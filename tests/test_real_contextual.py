@@ -1,0 +1,25 @@
+"""Contextual sparsity on the real default model: everything kept generates the dense tokens, and a
+calibrated threshold keeps about the asked share of neurons."""
+
+import pytest
+import torch
+
+from sparsegen.contextual import densify, sparsify
+from sparsegen.data import calibration_samples, load_text
+
+pytestmark = pytest.mark.real
+
+
+def test_everything_kept_equals_dense_and_half_kept_differs(real):
+    model, tokenizer = real
+    prompt = tokenizer("The quality of mercy is not strained;", return_tensors="pt").input_ids
+    calibration = calibration_samples(tokenizer, load_text("shakespeare")[:300_000], 2, 128, seed=0)
+    dense = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    try:
+        sparsify(model, "threshold", 0.0, calibration, progress=False)
+        assert torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False), dense)
+        sparsify(model, "threshold", 0.5, calibration, progress=False)
+        halved = model.generate(prompt, max_new_tokens=20, do_sample=False)
+        assert not torch.equal(halved, dense) and torch.equal(halved[:, : prompt.shape[1]], prompt)
+    finally:
+        densify(model)
