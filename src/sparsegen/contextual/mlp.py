@@ -40,7 +40,7 @@ class SparseMLP(nn.Module):
     def neurons(self) -> int:
         return self.parts.neurons
 
-    def _activated(self, x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    def _activated(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         return self.act(gate) * up if gate is not None else self.act(up)
 
     def _down(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ class SparseMLP(nn.Module):
 
     def _masked(self, rows: torch.Tensor) -> torch.Tensor:
         gate = self.gate(rows) if self.gate is not None else None
-        hidden = self._activated(rows, self.up(rows), gate)
+        hidden = self._activated(self.up(rows), gate)
         gate_act = self.act(gate) if gate is not None else hidden
         keep = self.selector.keep(rows, gate_act, hidden)
         return self._down(hidden * keep)
@@ -66,7 +66,7 @@ class SparseMLP(nn.Module):
     def _static(self, rows: torch.Tensor) -> torch.Tensor:
         gate_w, up_w, down_w = self.compact
         gate = F.linear(rows, gate_w) if gate_w is not None else None
-        out = F.linear(self._activated(rows, F.linear(rows, up_w), gate), down_w)
+        out = F.linear(self._activated(F.linear(rows, up_w), gate), down_w)
         return out + self.down_bias if self.down_bias is not None else out
 
     def _paired_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class SparseMLP(nn.Module):
         keep = self.selector.keep(rows, gate_act, None).any(0)
         index = keep.nonzero().squeeze(1)
         if index.numel() == self.neurons:
-            return self.parts.down(self._activated(rows, self.up(rows), self.gate(rows) if self.gate else None))
+            return self.parts.down(self._activated(self.up(rows), self.gate(rows) if self.gate is not None else None))
         if gate_act is not None:  # the gate is known: gather only up's rows
             up = _selected_rows(self.up, rows, index)
             hidden = gate_act[:, index] * up if self.gate is not None else gate_act[:, index]
