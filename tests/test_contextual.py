@@ -179,3 +179,17 @@ def test_the_predictor_recovers_a_known_low_rank_rule():
     truth = (fresh @ rule).topk(16, dim=-1).indices
     chosen = selector.keep(fresh, None, None)
     assert chosen.sum(-1).eq(16).all() and chosen.gather(1, truth).float().mean() > 0.9
+
+
+def test_selectors_saved_in_a_model_folder_load_with_the_model(tiny_folder):
+    import sparsegen
+
+    model, _ = sparsegen.load(str(tiny_folder))
+    selectors = sparsify(model, "threshold", 0.5, calibration=_ids(), progress=False)
+    save_selectors(model, selectors, tiny_folder, "threshold", 0.5)
+    with torch.no_grad():
+        expected = model(_ids(1, 12, seed=6)).logits
+    loaded, _ = sparsegen.load(str(tiny_folder))
+    assert all(isinstance(layer.mlp, SparseMLP) for layer in decoder_layers(loaded))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_ids(1, 12, seed=6)).logits, expected, rtol=0, atol=0)

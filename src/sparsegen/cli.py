@@ -383,7 +383,9 @@ def bench_compress_prompt_command(
     out.print((out_dir / "bench_compress_prompt.md").read_text())
 
 
-SELECTOR_HELP = "; ".join(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}" for name, cls in SELECTORS.items())
+SELECTOR_HELP = "; ".join(
+    f"{name}: {(cls.__doc__ or '').strip().splitlines()[0].rstrip('.')}" for name, cls in SELECTORS.items()
+)
 
 
 def _floats(values: str) -> list[float]:
@@ -399,7 +401,9 @@ def contextual_train_command(
     calib_text: str = typer.Option("shakespeare", "--calib-text"),
     n_samples: int = typer.Option(8, "--n-samples"),
     seqlen: int = typer.Option(256, "--seqlen"),
-    out_dir: Path = typer.Option(..., "--out", help="Folder for contextual.safetensors (next to the model)."),
+    out_dir: Path = typer.Option(
+        ..., "--out", help="Folder for contextual.safetensors; in a model folder, sparsegen.load installs it."
+    ),
 ) -> None:
     """Calibrate a neuron selector per layer on real text and save it."""
     from sparsegen.contextual import save_selectors, sparsify

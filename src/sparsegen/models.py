@@ -158,4 +158,8 @@ def load(
             f"or an embedded name ({', '.join(EMBEDDED_MODELS)})."
         ) from exc
     model.eval()
+    from sparsegen.contextual.apply import SELECTORS_FILE, load_selectors
+
+    if (Path(source) / SELECTORS_FILE).is_file():  # neuron selectors saved next to the weights
+        load_selectors(model, source)
     return model, tokenizer
