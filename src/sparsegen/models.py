@@ -109,7 +109,7 @@ def _from_pretrained(source: str, kwargs: dict) -> PreTrainedModel:
     if quantized is not None:
         del config.quantization_config
         state = {}
-        for file in sorted(Path(source).glob("*.safetensors")):
+        for file in sorted(Path(source).glob("model*.safetensors")):  # not adapters or selectors beside it
             state.update(load_file(str(file)))
         state = dequantize_state(state, quantized)
     else:

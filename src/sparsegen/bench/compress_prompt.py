@@ -109,7 +109,7 @@ def bench_compress_prompt(
             progress(f"{variant.name}: building")
             model, scheme = compressed(variant)
             size = bits_per_weight(model, scheme)
-            row.update(variant=variant.name, bits=size.stored, sparse_bits=size.sparse_packed)
+            row.update(variant=variant.name, bits=size.stored, sparse_bits=size.sparse_packed if scheme else None)
         if prompt is None:
             if (prompt_dir / "adapter_model.safetensors").exists() and _trained_steps(prompt_dir) == steps:
                 prompt = SoftPrompt.load(prompt_dir, model)

@@ -49,6 +49,7 @@ def _decode_ms(model, prompt: torch.Tensor, tokens: int) -> float:
 def _step_bytes(model, selector, kept: float, batch: int, context: int) -> float:
     """Bytes one decode step reads: every weight, MLP rows only where kept, plus the KV cache
     (`model` with its dense MLPs in place)."""
+    from sparsegen.contextual import SELECTORS, mlp_parts
     from sparsegen.prune.pipeline import decoder_layers
 
     size = next(model.parameters()).element_size()
@@ -57,9 +58,10 @@ def _step_bytes(model, selector, kept: float, batch: int, context: int) -> float
         total += model.get_input_embeddings().weight.numel() * size  # the lm_head reads the table again
     total -= model.get_input_embeddings().weight.numel() * size  # a lookup reads one row
     if selector != "dense":
-        mlp = decoder_layers(model)[0].mlp
-        per_layer = sum(p.numel() for name, p in mlp.named_parameters() if name.endswith("weight")) * size
-        gate = mlp.gate_proj.weight.numel() * size if selector == "threshold" else 0
+        parts = mlp_parts(decoder_layers(model)[0].mlp)
+        linears = [linear for linear in (parts.gate, parts.up, parts.down) if linear is not None]
+        per_layer = sum(linear.weight.numel() for linear in linears) * size
+        gate = parts.gate.weight.numel() * size if SELECTORS[selector].needs_gate and parts.gate is not None else 0
         total -= len(decoder_layers(model)) * (per_layer - gate) * (1 - kept)
     config = model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * getattr(config, "head_dim", 64) * size
@@ -78,7 +80,8 @@ def bench_contextual(
     out: Path = Path("results/bench_contextual"),
     progress: Callable[[str], None] = print,
 ) -> list[dict]:
-    from sparsegen.contextual import densify, sparsify
+    from sparsegen.contextual import densify, install, sparsify
+    from sparsegen.contextual.apply import kept_share
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.models import load
 
@@ -100,9 +103,9 @@ def bench_contextual(
                 if selector != "dense":
                     if config not in installed:
                         installed[config] = sparsify(model, selector, sparsity, calibration, progress=False)
-                        kept[config] = _measured_kept(model, prompt[:1])
+                        kept[config] = kept_share(model, prompt[:1])
                     else:
-                        _reinstall(model, installed[config])
+                        install(model, installed[config])
                 timings.setdefault((config, batch), []).append(_decode_ms(model, prompt, tokens))
     densify(model)
     rows = []
@@ -126,20 +129,3 @@ def bench_contextual(
     )
     write_text(out / "bench_contextual.md", header + markdown_table(rows, COLUMNS))
     return rows
-
-
-def _reinstall(model, selectors) -> None:
-    from sparsegen.contextual.apply import _install
-    from sparsegen.prune.pipeline import decoder_layers
-
-    for layer, selector in zip(decoder_layers(model), selectors, strict=True):
-        if selector is not None:
-            layer.mlp = _install(layer.mlp, selector)
-
-
-def _measured_kept(model, prompt) -> float:
-    from sparsegen.contextual.evaluate import _kept_share
-    from sparsegen.prune.pipeline import decoder_layers
-
-    selectors = [layer.mlp.selector if hasattr(layer.mlp, "selector") else None for layer in decoder_layers(model)]
-    return _kept_share(model, prompt, selectors)

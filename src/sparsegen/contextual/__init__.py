@@ -1,7 +1,7 @@
 """Contextual sparsity (Deja Vu, CATS): per token, compute only the MLP neurons that matter."""
 
 from sparsegen.contextual import oracle, predictor, static, threshold  # noqa: F401  (register selectors)
-from sparsegen.contextual.apply import densify, load_selectors, save_selectors, sparsify
+from sparsegen.contextual.apply import densify, install, load_selectors, save_selectors, sparsify
 from sparsegen.contextual.base import SELECTORS, Selector, make_selector, mlp_parts
 from sparsegen.contextual.mlp import SparseMLP
 
@@ -10,6 +10,7 @@ __all__ = [
     "Selector",
     "SparseMLP",
     "densify",
+    "install",
     "load_selectors",
     "make_selector",
     "mlp_parts",

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from sparsegen.contextual.base import LayerStats, Selector, make_selector, mlp_parts
+from sparsegen.contextual.base import LayerStats, Selector, make_selector, mlp_activations, mlp_parts
 from sparsegen.contextual.mlp import SparseMLP
 from sparsegen.errors import SparsegenError
 from sparsegen.prune.pipeline import decoder_layers
@@ -32,12 +32,9 @@ def collect_stats(model: nn.Module, calibration: torch.Tensor, max_tokens: int =
 
     def hook(index):
         def record(module, args):
-            parts = mlp_parts(module)
             x = args[0].reshape(-1, args[0].shape[-1])
-            gate = parts.act(parts.gate(x)) if parts.gate is not None else None
-            hidden = gate * parts.up(x) if gate is not None else parts.act(parts.up(x))
-            gate = gate if gate is not None else hidden
-            stats[index].append(LayerStats(x.half(), gate.half(), hidden.half()))
+            gate_act, hidden = mlp_activations(mlp_parts(module), x)
+            stats[index].append(LayerStats(x.half(), gate_act.half(), hidden.half()))
 
         return record
 
@@ -74,21 +71,50 @@ def sparsify(
         mlp_parts(layer.mlp)
     selectors = [make_selector(selector, sparsity) if i >= dense_layers else None for i in range(len(layers))]
     stats = collect_stats(model, calibration) if calibration is not None else None
-    for i, layer in enumerate(tqdm(layers, desc=f"{selector} {sparsity:.0%}", disable=not progress)):
-        if selectors[i] is None:
-            layer.mlp = _dense(layer.mlp)
-            continue
-        if stats is not None:
-            selectors[i].calibrate(stats[i])
-        layer.mlp = _install(layer.mlp, selectors[i])
+    if stats is not None:
+        bar = tqdm(stats, desc=f"calibrating {selector} {sparsity:.0%}", disable=not progress)
+        for layer_stats, chosen in zip(bar, selectors, strict=True):
+            if chosen is not None:
+                chosen.calibrate(layer_stats)
+    install(model, selectors)
     return selectors
 
 
-def _install(mlp: nn.Module, selector: Selector) -> SparseMLP:
-    original = _dense(mlp)
-    sparse = SparseMLP(mlp_parts(original), selector)
-    sparse.original = original
-    return sparse
+def install(model: nn.Module, selectors: list[Selector | None]) -> None:
+    """Give each decoder layer a `SparseMLP` with its selector (None: the original, dense MLP)."""
+    for layer, selector in zip(decoder_layers(model), selectors, strict=True):
+        original = _dense(layer.mlp)
+        if selector is None:
+            layer.mlp = original
+            continue
+        layer.mlp = SparseMLP(mlp_parts(original), selector)
+        layer.mlp.original = original
+
+
+def installed_selectors(model: nn.Module) -> list[Selector | None]:
+    return [layer.mlp.selector if isinstance(layer.mlp, SparseMLP) else None for layer in decoder_layers(model)]
+
+
+@torch.no_grad()
+def kept_share(model: nn.Module, ids: torch.Tensor) -> float:
+    """Mean share of neurons a token of `ids` [1, n] keeps, over all layers (dense ones keep all):
+    measured, not the target."""
+    shares = []
+
+    def hook(module, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        gate_act, hidden = mlp_activations(mlp_parts(module.original), x)
+        shares.append(module.selector.keep(x, gate_act, hidden).float().mean().item())
+
+    selectors = installed_selectors(model)
+    sparse = [layer.mlp for layer in decoder_layers(model) if isinstance(layer.mlp, SparseMLP)]
+    handles = [mlp.register_forward_pre_hook(hook) for mlp in sparse]
+    try:
+        model(ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (sum(shares) + len(selectors) - len(sparse)) / len(selectors)
 
 
 def densify(model: nn.Module) -> None:
@@ -147,15 +173,13 @@ def load_selectors(model: nn.Module, folder: str | Path) -> list[Selector | None
         raise SparsegenError(
             f"{path} was made for another model ({saved}), not this one ({here}): train selectors for this model"
         )
-    layers = decoder_layers(model)
     selectors: list[Selector | None] = []
-    for i, layer in enumerate(layers):
+    for i in range(len(decoder_layers(model))):
         state = {key.split(".", 1)[1]: value for key, value in tensors.items() if key.split(".", 1)[0] == str(i)}
-        if not state and meta["selector"] != "oracle":
-            layer.mlp, _ = _dense(layer.mlp), selectors.append(None)
-            continue
-        selector = make_selector(meta["selector"], float(meta["sparsity"]))
-        selector.load_state(state)
+        selector = None
+        if state or meta["selector"] == "oracle":  # the oracle has no state; a layer without one is dense
+            selector = make_selector(meta["selector"], float(meta["sparsity"]))
+            selector.load_state(state)
         selectors.append(selector)
-        layer.mlp = _install(layer.mlp, selector)
+    install(model, selectors)
     return selectors

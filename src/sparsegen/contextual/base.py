@@ -53,6 +53,15 @@ def mlp_parts(mlp: nn.Module) -> MLPParts:
     return MLPParts(getattr(mlp, "gate_proj", None), up, down, act)
 
 
+def mlp_activations(parts: MLPParts, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(gate(x)) (for a plain MLP, act(up(x))) and h, the input of down, for every neuron."""
+    if parts.gate is None:
+        hidden = parts.act(parts.up(x))
+        return hidden, hidden
+    gate_act = parts.act(parts.gate(x))
+    return gate_act, gate_act * parts.up(x)
+
+
 @dataclass
 class LayerStats:
     """Calibration statistics of one MLP over a sample of tokens: its inputs [tokens, hidden_size],

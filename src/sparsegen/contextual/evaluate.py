@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.contextual.apply import densify, sparsify
+from sparsegen.contextual.apply import densify, kept_share, sparsify
 
 
 @torch.no_grad()
@@ -36,8 +36,8 @@ def quality_curve(
     for selector in selectors:
         for sparsity in sparsities:
             progress(f"{selector} at {sparsity:.0%}")
-            chosen = sparsify(model, selector, sparsity, calibration, dense_layers=dense_layers, progress=False)
-            kept = _kept_share(model, chunks[0], chosen)
+            sparsify(model, selector, sparsity, calibration, dense_layers=dense_layers, progress=False)
+            kept = kept_share(model, chunks[0])
             logprobs = [model(chunk, use_cache=False).logits[0, :-1].float().log_softmax(-1) for chunk in chunks]
             rows.append(_row(selector, sparsity, logprobs, reference, chunks, kept))
             densify(model)
@@ -59,28 +59,3 @@ def _row(selector, sparsity, logprobs, reference, chunks, kept) -> dict:
         "kl": kl / count,
         "top1": agree / count,
     }
-
-
-def _kept_share(model, chunk, selectors) -> float:
-    """Mean share of neurons each token keeps, over the sparse layers (measured, not the target)."""
-    from sparsegen.contextual.base import mlp_parts
-    from sparsegen.prune.pipeline import decoder_layers
-
-    shares = []
-
-    def hook(module, args):
-        x = args[0].reshape(-1, args[0].shape[-1])
-        parts = mlp_parts(module.original)
-        gate = parts.act(parts.gate(x)) if parts.gate is not None else None
-        hidden = gate * parts.up(x) if gate is not None else parts.act(parts.up(x))
-        shares.append(module.selector.keep(x, gate if gate is not None else hidden, hidden).float().mean().item())
-
-    layers = [layer for layer, s in zip(decoder_layers(model), selectors, strict=True) if s is not None]
-    handles = [layer.mlp.register_forward_pre_hook(hook) for layer in layers]
-    try:
-        model(chunk, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    dense_layers = len(selectors) - len(layers)
-    return (sum(shares) + dense_layers) / len(selectors)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.contextual.base import MLPParts, Selector
+from sparsegen.contextual.base import MLPParts, Selector, mlp_activations
 
 
 class SparseMLP(nn.Module):
@@ -57,9 +57,7 @@ class SparseMLP(nn.Module):
         return self._masked(rows).reshape(*shape[:-1], -1)
 
     def _masked(self, rows: torch.Tensor) -> torch.Tensor:
-        gate = self.gate(rows) if self.gate is not None else None
-        hidden = self._activated(self.up(rows), gate)
-        gate_act = self.act(gate) if gate is not None else hidden
+        gate_act, hidden = mlp_activations(self.parts, rows)
         keep = self.selector.keep(rows, gate_act, hidden)
         return self._down(hidden * keep)
 

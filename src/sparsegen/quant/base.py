@@ -85,6 +85,15 @@ def _representable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass
+class Grid:
+    """The integer grid of one layer: scale and zero point [out, groups], and the group size."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    group_size: int
+
+
+@dataclass
 class QuantizedWeight:
     """The dequantized weight [out, in] and the grid that produced it: scale and zero [out, groups]."""
 
@@ -92,6 +101,10 @@ class QuantizedWeight:
     scale: torch.Tensor
     zero_point: torch.Tensor
     group_size: int
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(self.scale, self.zero_point, self.group_size)
 
 
 class Quantizer(ABC):

@@ -65,7 +65,6 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantRe
     modules = dict(packed.named_modules())
     for name, grid in report.grids.items():
         module = modules[name]
-        module.weight.data.copy_(grid.weight.to(module.weight.dtype))
         module.weight_scale = nn.Parameter(grid.scale.to(report.scheme.scale_dtype), requires_grad=False)
         if not report.symmetric:
             module.weight_zero_point.data.copy_(grid.zero_point.to(module.weight_zero_point.dtype))

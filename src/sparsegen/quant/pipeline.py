@@ -12,12 +12,13 @@ from torch import nn
 from sparsegen.errors import SparsegenError
 from sparsegen.prune.base import InputStats
 from sparsegen.prune.pipeline import calibration_inputs, decoder_layers, rewrite_layerwise
-from sparsegen.quant.base import QuantizedWeight, QuantScheme, make_quantizer
+from sparsegen.quant.base import Grid, QuantScheme, make_quantizer
 
 
 @dataclass
 class QuantReport:
-    """What was done (stored in checkpoints); `grids` holds each layer's scales for saving."""
+    """What was done (stored in checkpoints); `grids` holds each layer's scales for saving (the
+    weights themselves are the model's)."""
 
     method: str
     bits: int
@@ -27,7 +28,7 @@ class QuantReport:
     seqlen: int
     group_sizes: dict[str, int] = field(default_factory=dict)  # per Linear name suffix: the size used
     seconds: float = 0.0
-    grids: dict[str, QuantizedWeight] = field(default_factory=dict, repr=False)
+    grids: dict[str, Grid] = field(default_factory=dict, repr=False)
 
     @property
     def scheme(self) -> QuantScheme:
@@ -67,7 +68,7 @@ def quantize(
     def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> None:
         result = quantizer.quantize_weight(linear.weight.data, scheme, stats)
         linear.weight.data.copy_(result.weight.to(linear.weight.dtype))
-        report.grids[f"{prefix}.{i}.{name}"] = result
+        report.grids[f"{prefix}.{i}.{name}"] = result.grid
         report.group_sizes[name.rsplit(".", 1)[-1]] = result.group_size
 
     desc = f"{method} int{bits} g{group_size}"
