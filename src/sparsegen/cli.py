@@ -82,38 +82,63 @@ def generate(
     heavy: int | None = HeavyOpt,
     position: str | None = PositionOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens with this mass."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Weights: fp32 or bf16."),
+    compile: str = typer.Option(
+        "auto", "--compile", help="auto (when the generation pays for it), always, or never: the decode step."
+    ),
     prompt_file: Path | None = typer.Option(
         None, "--prompt-file", help="A soft prompt folder (peft format, from `sparsegen prompt train`) to put first."
     ),
 ) -> None:
-    """Generate from PROMPT, streaming tokens to stdout as they are made."""
+    """Generate from PROMPT on the fast decode path, streaming tokens to stdout as they are made."""
     from transformers import TextStreamer
 
-    from sparsegen.kv import make_cache
+    from sparsegen.bench.decode import DTYPES
     from sparsegen.models import load
 
-    loaded, tokenizer = load(model)
-    soft = None
-    if prompt_file is not None:
-        from sparsegen.prompt import SoftPrompt
-
-        soft = SoftPrompt.load(prompt_file, loaded)
+    if dtype not in DTYPES:
+        raise SparsegenError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    loaded, tokenizer = load(model, dtype=DTYPES[dtype])
     if chat:
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
     else:
         encoded = tokenizer(prompt, return_tensors="pt")
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    options = dict(max_new_tokens=max_new_tokens, streamer=streamer, pad_token_id=tokenizer.eos_token_id, **sampling)
     cache_options = dict(position=position, **budget_parts(budget, sinks, recent, heavy))
-    if soft is not None:
+    if prompt_file is not None:
+        from sparsegen.prompt import SoftPrompt
         from sparsegen.prompt.generate import PromptedModel
 
-        PromptedModel(loaded, soft, policy, **cache_options).generate(encoded["input_ids"], **options)
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {}
+        PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), policy, **cache_options).generate(
+            encoded["input_ids"],
+            max_new_tokens=max_new_tokens,
+            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+            pad_token_id=tokenizer.eos_token_id,
+            **sampling,
+        )
         return
-    loaded.generate(**encoded, past_key_values=make_cache(loaded, policy, **cache_options), **options)
+    from sparsegen.decode import generate as fast_generate
+
+    result = fast_generate(
+        loaded,
+        encoded["input_ids"],
+        max_new_tokens,
+        policy=policy,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        compile=compile,
+        streamer=TextStreamer(tokenizer, skip_special_tokens=True),
+        notify=lambda message: err.print(f"[dim]{message}[/]"),
+        **cache_options,
+    )
+    err.print(
+        f"[dim]{sum(map(len, result.tokens))} tokens, {result.tokens_per_s:.1f} tokens/s decoding ({result.mode})[/]"
+    )
 
 
 @app.command()
@@ -267,6 +292,56 @@ def bench_kv_command(
     )
     out.print((out_dir / "bench_kv.md").read_text())
     out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")
+
+
+@bench_app.command("decode")
+def bench_decode_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    context: int = typer.Option(1024, "--context", help="Tokens before decoding starts."),
+    long_context: int = typer.Option(8000, "--long-context", help="Context of the streaming vs dense comparison."),
+    cache: int = typer.Option(1024, "--cache", help="Streaming cache size (4 sinks + the rest recent)."),
+    new_tokens: int = typer.Option(96, "--new-tokens", help="Tokens decoded per measurement."),
+    out_dir: Path = typer.Option(Path("results/bench_decode"), "--out"),
+) -> None:
+    """The fast decode path vs generate() (fp32, bf16 weights), and streaming vs dense, against the
+    memory-bandwidth bound measured in the same run."""
+    from sparsegen.bench.decode import bench_decode
+
+    bench_decode(
+        model, text, context, long_context, new_tokens, cache, out=out_dir, progress=lambda m: err.print(f"[dim]{m}[/]")
+    )
+    out.print((out_dir / "bench_decode.md").read_text())
+    out.print(f"wrote {out_dir}/bench_decode.md and .json")
+
+
+@bench_app.command("throughput")
+def bench_throughput_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    prompt: int = typer.Option(1024, "--prompt", help="Prompt tokens per row."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per row."),
+    kv_mb: float = typer.Option(256.0, "--kv-mb", help="KV memory budget shared by the batch, MB."),
+    heavy_share: float = typer.Option(0.1, "--heavy-share", help="h2o heavy (= recent) share of the prompt."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Largest batch tried."),
+    out_dir: Path = typer.Option(Path("results/bench_throughput"), "--out"),
+) -> None:
+    """Throughput in a fixed KV memory: the largest batch dense, h2o and streaming fit, and tokens/s."""
+    from sparsegen.bench.decode import bench_throughput
+
+    bench_throughput(
+        model,
+        text,
+        prompt,
+        new_tokens,
+        kv_mb,
+        heavy_share,
+        max_batch,
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+    )
+    out.print((out_dir / "bench_throughput.md").read_text())
+    out.print(f"wrote {out_dir}/bench_throughput.md and .json")
 
 
 @bench_app.command("prune")

@@ -7,14 +7,14 @@ window with re-computation re-encodes the last W tokens for every new token.
 
 from __future__ import annotations
 
-import multiprocessing
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from sparsegen.bench.measure import run_meta
+from sparsegen.bench.measure import in_process as _in_process
+from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table, plot_lines
 
@@ -25,6 +25,8 @@ COLUMNS = [
     ("dense_ms", "dense ms/token"),
     ("recompute_ratio", "recompute / streaming"),
     ("dense_ratio", "dense / streaming"),
+    ("streaming_of_bound", "streaming fraction of bound"),
+    ("dense_of_bound", "dense fraction of bound"),
     ("streaming_rss", "streaming peak RSS MB"),
     ("recompute_rss", "recompute peak RSS MB"),
     ("dense_rss", "dense peak RSS MB"),
@@ -107,10 +109,13 @@ def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int,
     return samples
 
 
-def _in_process(fn, *args):
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        return pool.apply(fn, args)
+def _bytes_worker(model_name: str) -> tuple[float, float]:
+    """MB of weights a decode step reads, and MB of KV per held token (fp32)."""
+    from sparsegen.bench.decode import kv_bytes_per_token, weight_bytes
+    from sparsegen.models import load
+
+    model, _ = load(model_name)
+    return weight_bytes(model) / 1e6, kv_bytes_per_token(model, torch.float32) / 1e6
 
 
 def bench_kv(
@@ -131,8 +136,10 @@ def bench_kv(
     `also` names further policies whose decode latency is measured at each cache size too.
     """
     threads = threads or torch.get_num_threads()
+    bandwidth = read_bandwidth_gbs()
+    weight_mb, kv_mb_per_token = _in_process(_bytes_worker, model_name)
     rows = []
-    progress(f"dense: generate() after {context} tokens")
+    progress(f"read bandwidth {bandwidth:.1f} GB/s; dense: generate() after {context} tokens")
     dense_ms, dense_rss = _in_process(_decode_worker, model_name, text, context, new_tokens, None, threads)
     for size in sizes:
         progress(f"cache {size}: streaming after {context} tokens, recompute over {size}")
@@ -146,6 +153,8 @@ def bench_kv(
                 "dense_ms": dense_ms,
                 "recompute_ratio": recompute_ms / stream_ms,
                 "dense_ratio": dense_ms / stream_ms,
+                "streaming_of_bound": (weight_mb + size * kv_mb_per_token) / bandwidth / stream_ms,
+                "dense_of_bound": (weight_mb + context * kv_mb_per_token) / bandwidth / dense_ms,
                 "streaming_rss": stream_rss,
                 "recompute_rss": recompute_rss,
                 "dense_rss": dense_rss,
@@ -167,7 +176,7 @@ def bench_kv(
                 ),
             }
         )
-    meta = run_meta(model=model_name, text=text, context=context, new_tokens=new_tokens)
+    meta = run_meta(model=model_name, text=text, context=context, new_tokens=new_tokens, bandwidth_gbs=bandwidth)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_kv.json", {"meta": meta, "rows": rows, "memory": memory})
     lines = [

@@ -39,6 +39,14 @@ def current_rss_mb() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
+def in_process(fn, *args):
+    """Run `fn(*args)` in a fresh spawned process: its peak RSS and warm caches are its own."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
 def run_meta(**fields) -> dict:
     """What every benchmark result records besides its own settings: date, machine, versions."""
     return {

@@ -5,6 +5,9 @@ passes the keys `update()` returned straight to it. A policy layer tags those ke
 (`tag`), so the registered attention function finds its layer through its own call's arguments:
 it computes the attention as usual, then hands the layer this call's queries, keys and weights, and
 the layer lets its policy score and evict down to the budget.
+
+The fast decode path (`sparsegen.decode`) calls the model with a `static_kv` keyword instead of a
+cache: the same function then writes, attends and evicts in that state's fixed-shape buffers.
 """
 
 from __future__ import annotations
@@ -64,13 +67,18 @@ def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, m
 
 
 def _make_attention(base):
-    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    def attention(module, query, key, value, attention_mask, scaling=None, static_kv=None, **kwargs):
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if static_kv is not None:
+            state = static_kv.layers[module.layer_idx]
+            state.write(key, value, static_kv.seen - 1)
+            return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
         layer = tagged_layer(key, module)
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if layer is not None:
             if layer.check_padding:
                 layer.refuse_padding(attention_mask, query.shape[-2])
-            layer.after_attention(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5, weights)
+            layer.after_attention(query, key, scaling, weights)
         return out, weights
 
     return attention

@@ -1,0 +1,266 @@
+"""`sparsegen bench decode` and `sparsegen bench throughput`: the fast path against generate(), and
+against the machine's memory bound.
+
+The bound: a batch-1 decode step must read every weight once and every held key and value, so it
+cannot beat (weight bytes + KV bytes) / read bandwidth, with the bandwidth probed in the same run.
+Each configuration runs in its own process (its own peak RSS, no shared warm caches).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sparsegen.bench.measure import in_process as _in_process
+from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+from sparsegen.ioutil import write_json, write_text
+from sparsegen.report import markdown_table
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a step reads of the weights: each distinct parameter once (tied embeddings once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.finfo(dtype).bits // 8
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+
+
+def _prompts(tokenizer, text: str, rows: int, length: int) -> list[list[int]]:
+    """`rows` different stretches of `length` tokens of the text."""
+    from sparsegen.data import load_text, tokenize_long
+
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=rows * length)
+    if ids.numel() < rows * length:
+        ids = ids.repeat(-(-rows * length // ids.numel()))
+    return [ids[r * length : (r + 1) * length].tolist() for r in range(rows)]
+
+
+def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, rows, threads) -> dict:
+    """Per-step time of the fast path after `context` tokens per row."""
+    from sparsegen.bench.measure import peak_rss_mb
+    from sparsegen.decode import generate
+    from sparsegen.models import load
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load(model_name, dtype=DTYPES[dtype])
+    prompts = _prompts(tokenizer, text, rows, context)
+    out = generate(model, prompts, new_tokens, policy=policy, compile="always", eos_token_id=[], **budget)
+    held = context if policy == "full" else min(context, sum(budget.values()))
+    return {
+        "ms": out.ms_per_step,
+        "tokens_per_s": out.tokens_per_s,
+        "compile_s": out.compile_s,
+        "prefill_s": out.prefill_s,
+        "rss": peak_rss_mb(),
+        "weight_mb": weight_bytes(model) / 1e6,
+        "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, torch.float32) / 1e6,
+    }
+
+
+def _generate_worker(model_name, text, context, new_tokens, threads) -> dict:
+    """transformers' generate() with its own dynamic cache, fp32: the baseline."""
+    from transformers import LogitsProcessorList
+
+    from sparsegen.bench.measure import TokenClock, peak_rss_mb
+    from sparsegen.models import load
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load(model_name)
+    ids = torch.tensor(_prompts(tokenizer, text, 1, context))
+    clock = TokenClock()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            logits_processor=LogitsProcessorList([clock]),
+            pad_token_id=0,
+        )
+    kv = (context + new_tokens // 2) * kv_bytes_per_token(model, torch.float32)
+    return {"ms": clock.decode_ms(), "rss": peak_rss_mb(), "weight_mb": weight_bytes(model) / 1e6, "kv_mb": kv / 1e6}
+
+
+def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads) -> dict:
+    """What bf16 costs: perplexity and top-1 agreement with fp32, for bf16 weights (whole windows)
+    and for a bf16 KV cache under fp32 weights (teacher-forced through the decode step)."""
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.decode import Decoder
+    from sparsegen.models import load
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load(model_name)
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=seqlen * windows).view(windows, seqlen)
+
+    def nll_and_top1(logits: torch.Tensor, targets: torch.Tensor):
+        return torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item(), logits.argmax(-1)
+
+    with torch.inference_mode():
+        fp32 = [model(ids[w : w + 1]).logits[0, :-1].float() for w in range(windows)]
+        low = model.to(torch.bfloat16)
+        bf16 = [low(ids[w : w + 1]).logits[0, :-1].float() for w in range(windows)]
+        model.to(torch.float32)
+    targets = ids[:, 1:].reshape(-1)
+    nll32, top32 = nll_and_top1(torch.cat(fp32), targets)
+    nll16, top16 = nll_and_top1(torch.cat(bf16), targets)
+    forced = ids[0, : kv_tokens + 1].tolist()
+    steps = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        decoder = Decoder(model, "full", compile="never", kv_dtype=dtype)
+        rows = [decoder.start([forced[:1]], kv_tokens)[0]]
+        rows += [decoder.step(torch.tensor([token]))[0] for token in forced[1:-1]]
+        steps[name] = torch.stack(rows)
+    kv_targets = torch.tensor(forced[1:])
+    kv32, kv_top32 = nll_and_top1(steps["fp32"], kv_targets)
+    kv16, kv_top16 = nll_and_top1(steps["bf16"], kv_targets)
+    n, m = targets.numel(), kv_targets.numel()
+    return {
+        "weights_ppl_fp32": float(torch.tensor(nll32 / n).exp()),
+        "weights_ppl_bf16": float(torch.tensor(nll16 / n).exp()),
+        "weights_top1_agreement": (top32 == top16).float().mean().item(),
+        "kv_ppl_fp32": float(torch.tensor(kv32 / m).exp()),
+        "kv_ppl_bf16": float(torch.tensor(kv16 / m).exp()),
+        "kv_top1_agreement": (kv_top32 == kv_top16).float().mean().item(),
+        "tokens": n,
+        "kv_tokens": m,
+    }
+
+
+def _bound(row: dict, bandwidth: float) -> dict:
+    bound_ms = (row["weight_mb"] + row["kv_mb"]) / 1e3 / bandwidth * 1e3
+    return {**row, "bound_ms": bound_ms, "of_bound": bound_ms / row["ms"]}
+
+
+DECODE_COLUMNS = [
+    ("config", "configuration"),
+    ("ms", "ms/token"),
+    ("speedup", "vs generate() fp32"),
+    ("weight_mb", "weights MB"),
+    ("kv_mb", "KV MB"),
+    ("bound_ms", "bound ms"),
+    ("of_bound", "fraction of bound"),
+    ("compile_s", "compile s"),
+    ("rss", "peak RSS MB"),
+]
+
+
+def bench_decode(
+    model_name: str = "smollm2-135m",
+    text: str = "shakespeare",
+    context: int = 1024,
+    long_context: int = 8000,
+    new_tokens: int = 96,
+    cache: int = 1024,
+    threads: int | None = None,
+    out: Path = Path("results/bench_decode"),
+    progress=print,
+) -> dict:
+    """generate() vs the fast path (fp32, bf16 weights) at `context`, then streaming (4 sinks +
+    the rest of `cache`) vs dense after `long_context` tokens, each against the byte model."""
+    threads = threads or torch.get_num_threads()
+    bandwidth = read_bandwidth_gbs()
+    progress(f"read bandwidth {bandwidth:.1f} GB/s; generate() fp32 after {context} tokens")
+    base = _in_process(_generate_worker, model_name, text, context, new_tokens, threads)
+    rows = [{"config": f"generate() fp32, {context} ctx", **base}]
+    runs = [
+        ("fp32", "full", {}, context, f"fast fp32, {context} ctx"),
+        ("bf16", "full", {}, context, f"fast bf16 weights, {context} ctx"),
+        ("fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx"),
+        ("fp32", "streaming", {"sinks": 4, "recent": cache - 4}, long_context, f"fast fp32 streaming 4+{cache - 4}"),
+    ]
+    for dtype, policy, budget, length, label in runs:
+        progress(label)
+        result = _in_process(_fast_worker, model_name, text, length, new_tokens, dtype, policy, budget, 1, threads)
+        rows.append({"config": label, **result})
+    rows = [_bound(row, bandwidth) for row in rows]
+    for row in rows:
+        row["speedup"] = base["ms"] / row["ms"]
+    dense, stream = rows[3], rows[4]
+    byte_ratio = (dense["weight_mb"] + dense["kv_mb"]) / (stream["weight_mb"] + stream["kv_mb"])
+    measured = dense["ms"] / stream["ms"]
+    streaming = {"byte_model_ratio": byte_ratio, "measured_ratio": measured, "of_byte_model": measured / byte_ratio}
+    progress("what bf16 costs: perplexity and top-1 agreement with fp32")
+    quality = _in_process(_bf16_quality_worker, model_name, text, 1024, 4, 256, threads)
+    meta = run_meta(model=model_name, text=text, bandwidth_gbs=bandwidth, new_tokens=new_tokens)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench_decode.json", {"meta": meta, "rows": rows, "streaming": streaming, "bf16": quality})
+    write_text(
+        out / "bench_decode.md",
+        f"`{model_name}`, `{text}`, {meta['machine']}, {meta['date']}, read bandwidth {bandwidth:.1f} GB/s\n\n"
+        + markdown_table(rows, DECODE_COLUMNS)
+        + f"\nstreaming vs dense after {long_context} tokens: {measured:.2f}x measured, {byte_ratio:.2f}x allowed "
+        f"by the byte model: {100 * streaming['of_byte_model']:.0f}% of it\n\n"
+        f"bf16 weights: perplexity {quality['weights_ppl_fp32']:.3f} -> {quality['weights_ppl_bf16']:.3f}, "
+        f"top-1 agreement {100 * quality['weights_top1_agreement']:.2f}% ({quality['tokens']} tokens); "
+        f"bf16 KV cache: {quality['kv_ppl_fp32']:.3f} -> {quality['kv_ppl_bf16']:.3f}, "
+        f"top-1 agreement {100 * quality['kv_top1_agreement']:.2f}% ({quality['kv_tokens']} tokens)\n",
+    )
+    return {"meta": meta, "rows": rows, "streaming": streaming, "bf16": quality}
+
+
+THROUGHPUT_COLUMNS = [
+    ("config", "cache"),
+    ("batch", "batch that fits"),
+    ("kv_mb", "KV held MB"),
+    ("tokens_per_s", "tokens/s"),
+    ("ms", "ms/step"),
+    ("prefill_s", "prefill s"),
+    ("compile_s", "compile s"),
+    ("rss", "peak RSS MB"),
+]
+
+
+def bench_throughput(
+    model_name: str = "smollm2-135m",
+    text: str = "shakespeare",
+    prompt: int = 1024,
+    new_tokens: int = 64,
+    kv_mb: float = 256.0,
+    heavy_share: float = 0.1,
+    max_batch: int = 32,
+    threads: int | None = None,
+    out: Path = Path("results/bench_throughput"),
+    progress=print,
+) -> dict:
+    """H2O's headline experiment: in one KV memory budget, the largest batch that fits for dense,
+    h2o (heavy + recent = 2 x `heavy_share` of the prompt), and streaming of the same size; then
+    tokens/s of each at that batch."""
+    from sparsegen.models import load
+
+    threads = threads or torch.get_num_threads()
+    model, _ = load(model_name)
+    per_token = kv_bytes_per_token(model, torch.float32)
+    del model
+    share = int(heavy_share * prompt)
+    configs = [
+        ("dense", "full", {}, -(-(prompt + new_tokens) // 64) * 64),
+        (f"h2o {2 * share} ({200 * heavy_share:.0f}%)", "h2o", {"heavy": share, "recent": share}, 2 * share + 1),
+        (f"streaming 4+{2 * share - 4}", "streaming", {"sinks": 4, "recent": 2 * share - 4}, 2 * share + 1),
+    ]
+    rows = []
+    for label, policy, budget, slots in configs:
+        batch = min(max_batch, int(kv_mb * 1e6 // (slots * per_token)))
+        if batch < 1:
+            rows.append({"config": label, "batch": 0})
+            continue
+        progress(f"{label}: batch {batch}")
+        result = _in_process(_fast_worker, model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads)
+        rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * slots * per_token / 1e6})
+    meta = run_meta(model=model_name, text=text, prompt=prompt, new_tokens=new_tokens, kv_budget_mb=kv_mb)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench_throughput.json", {"meta": meta, "rows": rows})
+    write_text(
+        out / "bench_throughput.md",
+        f"`{model_name}`, prompts of {prompt} tokens, {new_tokens} new, KV budget {kv_mb:.0f} MB, "
+        f"{meta['machine']}, {meta['date']}\n\n" + markdown_table(rows, THROUGHPUT_COLUMNS),
+    )
+    return {"meta": meta, "rows": rows}

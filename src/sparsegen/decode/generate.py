@@ -1,0 +1,143 @@
+"""`generate()`: batched decoding on the fast path, greedy or sampled, rows of any lengths."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sparsegen.decode.engine import Decoder
+from sparsegen.errors import SparsegenError
+from sparsegen.kv.base import Policy
+
+
+@dataclass
+class Generation:
+    """What `generate()` made: the new tokens of each row (up to and including EOS), and timings."""
+
+    tokens: list[list[int]]
+    mode: str
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    batch: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decoded tokens per second over all rows (the prefill's first token and compiling excluded)."""
+        return self.batch * self.decode_steps / self.decode_s if self.decode_s else float("nan")
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+
+def choose(
+    logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None
+) -> torch.Tensor:
+    """The next token of each row [b] from logits [b, vocab]: greedy at temperature 0, else sampled
+    from the top-p nucleus, each row with its own generator (so a row is its single-row run)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = (logits / temperature).softmax(-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    rows = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators or [None] * len(probs), strict=True)]
+    return torch.cat(rows)
+
+
+def _rows(input_ids, attention_mask) -> list[list[int]]:
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        if attention_mask is None:
+            return ids.tolist()
+        return [row[mask.bool()].tolist() for row, mask in zip(ids, attention_mask, strict=True)]
+    if attention_mask is not None:
+        raise SparsegenError("attention_mask goes with a tensor of input_ids; lists of ids need none")
+    return [list(row) for row in input_ids]
+
+
+def _stop_tokens(model: torch.nn.Module, eos_token_id) -> torch.Tensor:
+    if eos_token_id is None:
+        config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return torch.tensor([], dtype=torch.long)
+    return torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+
+
+def _until_stop(row: list[int], stops: set[int]) -> list[int]:
+    for index, token in enumerate(row):
+        if token in stops:
+            return row[: index + 1]
+    return row
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | list[list[int]],
+    max_new_tokens: int = 128,
+    policy: str | Policy = "full",
+    position: str | None = None,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    compile: str = "auto",
+    kv_dtype: torch.dtype = torch.float32,
+    streamer=None,
+    notify: Callable[[str], None] | None = None,
+    decoder: Decoder | None = None,
+    **budget: int | float,
+) -> Generation:
+    """Generate up to `max_new_tokens` per row on the fast path under a KV policy.
+
+    `input_ids` is a [b, n] tensor (left- or right-padded, with its `attention_mask`) or a list of
+    token lists of any lengths. Rows stop at `eos_token_id` (default: the model's generation
+    config); the batch stops when every row has. Sampling (temperature > 0, top-p) draws each row
+    from its own generator seeded `seed`. `streamer` (a transformers streamer, batch 1) receives
+    tokens as they come; `notify` gets the one-line notes on compiling (default: stderr). A
+    `decoder` may be passed to reuse its compiled step.
+    """
+    if max_new_tokens < 1:
+        raise SparsegenError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompts = _rows(input_ids, attention_mask)
+    stops = _stop_tokens(model, eos_token_id)
+    if decoder is None:
+        options = {"notify": notify} if notify is not None else {}
+        decoder = Decoder(model, policy, position=position, compile=compile, kv_dtype=kv_dtype, **options, **budget)
+    generators = None
+    if temperature > 0:
+        generators = [torch.Generator().manual_seed(seed if seed is not None else torch.seed()) for _ in prompts]
+    started = time.perf_counter()
+    token = choose(decoder.start(prompts, max_new_tokens), temperature, top_p, generators)
+    prefill_s = time.perf_counter() - started
+    made = [token]
+    done = torch.isin(token, stops)
+    if streamer is not None:
+        streamer.put(token)
+    started, steps = time.perf_counter(), 0
+    while len(made) < max_new_tokens and not bool(done.all()):
+        compiling = decoder.mode == "compiled" and not decoder.compile_s
+        logits = decoder.step(token)
+        if compiling:
+            started = time.perf_counter()  # the first compiled step includes compiling
+        else:
+            steps += 1
+        token = choose(logits, temperature, top_p, generators)
+        made.append(token)
+        if streamer is not None:
+            streamer.put(token)
+        done |= torch.isin(token, stops)
+    decode_s = time.perf_counter() - started
+    if streamer is not None:
+        streamer.end()
+    tokens = [_until_stop(row, set(stops.tolist())) for row in torch.stack(made, 1).tolist()]
+    return Generation(tokens, decoder.mode, decoder.compile_s, prefill_s, decode_s, steps, len(prompts))

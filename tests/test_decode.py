@@ -1,0 +1,176 @@
+"""The fast decode path equals the policy cache under transformers' generate(), row by row."""
+
+import pytest
+import torch
+
+from sparsegen.decode import Decoder, generate
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import make_cache
+from tests.conftest import build_tiny
+from tests.kv_reference import TABLE
+
+SMALL = {name: row.small for name, row in TABLE.items()}
+
+
+def _reference(model, ids, policy, budget, new, position=None):
+    """transformers' generate() over the policy cache: the eager engine the fast path must equal."""
+    cache = make_cache(model, policy, position=position, **budget)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new, do_sample=False
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def _prompt(length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("policy", list(SMALL))
+def test_fast_path_equals_generate_per_policy(arch, policy):
+    model = build_tiny(arch)
+    ids = _prompt(21)
+    for position in ("original", "rolling"):
+        ref = _reference(model, ids, policy, SMALL[policy], 24, position)
+        out = generate(model, ids, 24, policy=policy, position=position, compile="never", **SMALL[policy])
+        assert out.tokens[0] == ref, (policy, position)
+
+
+def test_teacher_forced_logits_match_the_dense_forward(arch):
+    """Fed a fixed continuation, every step's logits equal one dense forward over the whole text."""
+    model = build_tiny(arch)
+    ids = _prompt(30)[0].tolist()
+    decoder = Decoder(model, "full", compile="never")
+    logits = [decoder.start([ids[:12]], 32)[0]]
+    for token in ids[12:-1]:
+        logits.append(decoder.step(torch.tensor([token]))[0])
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0, 11:-1]
+    torch.testing.assert_close(torch.stack(logits), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "snapkv"])
+def test_padded_batch_rows_equal_single_rows(policy):
+    """Left-padded rows of different lengths: each row is its single-row run (padding never enters
+    a cache, never counts as a sink, heavy hitter or recent token)."""
+    model = build_tiny("llama")
+    lengths = [9, 23, 16, 23]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = _prompt(length, seed=row)[0]
+        mask[row, width - length :] = 1
+    budget = {**SMALL[policy]}
+    batch = generate(model, ids, 20, policy=policy, attention_mask=mask, compile="never", eos_token_id=[], **budget)
+    for row, length in enumerate(lengths):
+        single = generate(
+            model, _prompt(length, seed=row), 20, policy=policy, compile="never", eos_token_id=[], **budget
+        )
+        assert batch.tokens[row] == single.tokens[0], (policy, row)
+
+
+def test_ratio_budgets_differ_per_row():
+    """A budget given as a share of the prompt resolves per row: short and long rows each evict
+    to their own size, and still equal their single-row runs."""
+    model = build_tiny("qwen2")
+    prompts = [_prompt(10, 3)[0].tolist(), _prompt(30, 4)[0].tolist()]
+    batch = generate(model, prompts, 16, policy="h2o", heavy=0.3, recent=0.3, compile="never", eos_token_id=[])
+    for row, prompt in enumerate(prompts):
+        single = generate(model, [prompt], 16, policy="h2o", heavy=0.3, recent=0.3, compile="never", eos_token_id=[])
+        assert batch.tokens[row] == single.tokens[0]
+
+
+def test_sampling_rows_equal_single_rows_with_the_same_seed():
+    model = build_tiny("mistral")
+    prompts = [_prompt(7, 5)[0].tolist(), _prompt(13, 6)[0].tolist()]
+    options = dict(policy="streaming", sinks=2, recent=6, temperature=0.9, top_p=0.8, seed=11, compile="never")
+    batch = generate(model, prompts, 15, eos_token_id=[], **options)
+    singles = [generate(model, [p], 15, eos_token_id=[], **options).tokens[0] for p in prompts]
+    assert batch.tokens == singles
+    other_seed = generate(model, prompts, 15, eos_token_id=[], **{**options, "seed": 12})
+    assert other_seed.tokens != batch.tokens  # the seed is honoured
+
+
+def test_top_p_keeps_only_the_nucleus():
+    from sparsegen.decode import choose
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    draws = {int(choose(logits, 1.0, 0.7, [torch.Generator().manual_seed(s)])) for s in range(200)}
+    assert draws == {0, 1}
+
+
+def test_rows_stop_at_eos():
+    model = build_tiny("llama")
+    ids = _prompt(12)
+    free = generate(model, ids, 12, compile="never", eos_token_id=[]).tokens[0]
+    stop = free[4]
+    out = generate(model, ids, 12, compile="never", eos_token_id=stop).tokens[0]
+    assert out == free[: free.index(stop) + 1]
+
+
+def test_compiled_step_equals_eager_engine():
+    model = build_tiny("llama")
+    ids = _prompt(21)
+    for policy in ("full", "h2o"):
+        ref = _reference(model, ids, policy, SMALL[policy], 12)
+        out = generate(model, ids, 12, policy=policy, compile="always", **SMALL[policy])
+        assert out.mode == "compiled" and out.compile_s > 0
+        assert out.tokens[0] == ref
+
+
+def test_short_generations_and_missing_compilers_run_eager_and_say_so(monkeypatch):
+    model = build_tiny("llama")
+    said = []
+    decoder = Decoder(model, "streaming", compile="auto", notify=said.append, sinks=2, recent=6)
+    out = generate(model, _prompt(8), 5, decoder=decoder)
+    assert out.mode == "eager" and said == ["decoding eagerly: 5 new tokens do not pay for compiling the step"]
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    said.clear()
+    generate(model, _prompt(8), 80, decoder=Decoder(model, "full", notify=said.append), eos_token_id=[])
+    assert said == ["decoding eagerly: no C++ compiler found for torch.compile"]
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_step(monkeypatch):
+    model = build_tiny("llama")
+    ids = _prompt(10)
+    ref = generate(model, ids, 6, compile="never").tokens
+
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("no compiler today")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    said = []
+    out = generate(model, ids, 6, decoder=Decoder(model, compile="always", notify=said.append))
+    assert out.mode == "eager" and out.tokens == ref
+    assert said and "compiling the step failed (RuntimeError: no compiler today)" in said[0]
+
+
+def test_bad_input_gets_one_line_errors():
+    model = build_tiny("llama")
+    with pytest.raises(SparsegenError, match="at least one token"):
+        generate(model, [[]], 4, compile="never")
+    with pytest.raises(SparsegenError, match="compile must be one of"):
+        Decoder(model, compile="sometimes")
+    with pytest.raises(SparsegenError, match="max_new_tokens"):
+        generate(model, _prompt(4), 0)
+
+
+def test_bf16_cache_and_weights_stay_close_to_fp32():
+    model = build_tiny("llama")
+    ids = _prompt(24)[0].tolist()
+
+    def forced(decoder):
+        rows = [decoder.start([ids[:8]], 16)[0]]
+        rows += [decoder.step(torch.tensor([token]))[0] for token in ids[8:-1]]
+        return torch.stack(rows)
+
+    ref = forced(Decoder(model, compile="never"))
+    scale = ref.abs().max()
+    low_kv = forced(Decoder(model, compile="never", kv_dtype=torch.bfloat16))
+    assert not torch.equal(low_kv, ref)  # the cache really is stored in bf16
+    assert (low_kv - ref).abs().max() < 0.02 * scale
+    low_weights = forced(Decoder(model.to(torch.bfloat16), compile="never"))
+    assert low_weights.dtype == torch.float32 and (low_weights - ref).abs().max() < 0.1 * scale
