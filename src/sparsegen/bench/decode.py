@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sparsegen.bench.kv import bytes_per_step, generate_latency
 from sparsegen.bench.measure import in_process as _in_process
 from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
 from sparsegen.ioutil import write_json, write_text
@@ -63,31 +64,6 @@ def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, r
         "weight_mb": weight_bytes(model) / 1e6,
         "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, torch.float32) / 1e6,
     }
-
-
-def _generate_worker(model_name, text, context, new_tokens, threads) -> dict:
-    """transformers' generate() with its own dynamic cache, fp32: the baseline."""
-    from transformers import LogitsProcessorList
-
-    from sparsegen.bench.measure import TokenClock, peak_rss_mb
-    from sparsegen.models import load
-
-    torch.set_num_threads(threads)
-    model, tokenizer = load(model_name)
-    ids = torch.tensor(_prompts(tokenizer, text, 1, context))
-    clock = TokenClock()
-    with torch.inference_mode():
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            logits_processor=LogitsProcessorList([clock]),
-            pad_token_id=0,
-        )
-    kv = (context + new_tokens // 2) * kv_bytes_per_token(model, torch.float32)
-    return {"ms": clock.decode_ms(), "rss": peak_rss_mb(), "weight_mb": weight_bytes(model) / 1e6, "kv_mb": kv / 1e6}
 
 
 def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads) -> dict:
@@ -169,7 +145,9 @@ def bench_decode(
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
     progress(f"read bandwidth {bandwidth:.1f} GB/s; generate() fp32 after {context} tokens")
-    base = _in_process(_generate_worker, model_name, text, context, new_tokens, threads)
+    ms, rss = _in_process(generate_latency, model_name, text, context, new_tokens, None, threads)
+    weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name)
+    base = {"ms": ms, "rss": rss, "weight_mb": weight_mb, "kv_mb": (context + new_tokens // 2) * kv_mb_per_token}
     rows = [{"config": f"generate() fp32, {context} ctx", **base}]
     runs = [
         ("fp32", "full", {}, context, f"fast fp32, {context} ctx"),

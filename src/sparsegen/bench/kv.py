@@ -42,7 +42,7 @@ def _prefix(model_name: str, text: str, tokens: int):
     return model, ids
 
 
-def _decode_worker(
+def generate_latency(
     model_name: str,
     text: str,
     context: int,
@@ -109,7 +109,7 @@ def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int,
     return samples
 
 
-def _bytes_worker(model_name: str) -> tuple[float, float]:
+def bytes_per_step(model_name: str) -> tuple[float, float]:
     """MB of weights a decode step reads, and MB of KV per held token (fp32)."""
     from sparsegen.bench.decode import kv_bytes_per_token, weight_bytes
     from sparsegen.models import load
@@ -137,13 +137,13 @@ def bench_kv(
     """
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
-    weight_mb, kv_mb_per_token = _in_process(_bytes_worker, model_name)
+    weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name)
     rows = []
     progress(f"read bandwidth {bandwidth:.1f} GB/s; dense: generate() after {context} tokens")
-    dense_ms, dense_rss = _in_process(_decode_worker, model_name, text, context, new_tokens, None, threads)
+    dense_ms, dense_rss = _in_process(generate_latency, model_name, text, context, new_tokens, None, threads)
     for size in sizes:
         progress(f"cache {size}: streaming after {context} tokens, recompute over {size}")
-        stream_ms, stream_rss = _in_process(_decode_worker, model_name, text, context, new_tokens, size, threads)
+        stream_ms, stream_rss = _in_process(generate_latency, model_name, text, context, new_tokens, size, threads)
         recompute_ms, recompute_rss = _in_process(_recompute_worker, model_name, text, size, repeats, threads)
         rows.append(
             {
@@ -163,7 +163,7 @@ def bench_kv(
         for policy in also:
             progress(f"cache {size}: {policy} after {context} tokens")
             rows[-1][f"{policy}_ms"] = _in_process(
-                _decode_worker, model_name, text, context, new_tokens, size, threads, policy
+                generate_latency, model_name, text, context, new_tokens, size, threads, policy
             )[0]
     memory = []
     for tokens in stream_tokens:
