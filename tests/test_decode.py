@@ -174,3 +174,15 @@ def test_bf16_cache_and_weights_stay_close_to_fp32():
     assert (low_kv - ref).abs().max() < 0.02 * scale
     low_weights = forced(Decoder(model.to(torch.bfloat16), compile="never"))
     assert low_weights.dtype == torch.float32 and (low_weights - ref).abs().max() < 0.1 * scale
+
+
+def test_each_row_holds_at_most_its_budget_in_fixed_buffers():
+    model = build_tiny("qwen2")
+    decoder = Decoder(model, "streaming_h2o", compile="never", sinks=2, heavy=3, recent=4)
+    logits = decoder.start([_prompt(5, 1)[0].tolist(), _prompt(20, 2)[0].tolist()], 30)
+    buffers = decoder.state.kv_bytes()
+    assert decoder.state.live_tokens().tolist() == [5, 9]
+    for _ in range(29):
+        logits = decoder.step(logits.argmax(-1))
+        assert decoder.state.live_tokens().max() <= 9
+    assert decoder.state.live_tokens().tolist() == [9, 9] and decoder.state.kv_bytes() == buffers

@@ -131,14 +131,10 @@ class StaticKV:
     layers: list[LayerState]
     seen: torch.Tensor
 
-    @property
-    def batch(self) -> int:
-        return self.seen.shape[0]
-
     def kv_bytes(self) -> int:
         """Bytes of the preallocated key and value buffers (all rows, all slots)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
 
     def live_tokens(self) -> torch.Tensor:
-        """Tokens held per row, in the first layer."""
+        """Tokens held per row after the last step's eviction, in the first layer."""
         return (self.layers[0].positions[:, 0] >= 0).sum(-1)
