@@ -463,6 +463,15 @@ SELECTOR_HELP = "; ".join(
 )
 
 
+def registered_names(values: str, registry, what: str) -> list[str]:
+    """Comma-separated names, each checked against a registry (one line naming the unknown ones)."""
+    names = [name.strip() for name in values.split(",") if name.strip()]
+    unknown = [name for name in names if name not in registry]
+    if unknown:
+        raise SparsegenError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(sorted(registry))}")
+    return names
+
+
 def _floats(values: str) -> list[float]:
     return [float(v) for v in values.split(",") if v.strip()]
 
@@ -511,10 +520,7 @@ def contextual_eval_command(
     from sparsegen.models import load
     from sparsegen.report import markdown_table, plot_lines
 
-    names = [name.strip() for name in selectors.split(",") if name.strip()]
-    unknown = [name for name in names if name not in SELECTORS]
-    if unknown:
-        raise SparsegenError(f"unknown neuron selector {', '.join(unknown)}; choose from {', '.join(SELECTORS)}")
+    names = registered_names(selectors, SELECTORS, "neuron selector")
     loaded, tokenizer = load(model)
     calibration = calibration_samples(tokenizer, load_text(calib_text), 8, 256)
     ids = tokenize_long(tokenizer, load_text(text))
@@ -769,10 +775,7 @@ def eval_needle(
     from sparsegen.models import load
     from sparsegen.report import markdown_table
 
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICIES]
-    if unknown:
-        raise SparsegenError(f"unknown KV policy {', '.join(unknown)}; choose from {', '.join(sorted(POLICIES))}")
+    names = registered_names(policies, POLICIES, "KV policy")
     depth_list = [float(d) for d in depths.split(",")]
     loaded, tokenizer = load(model)
     rows = needle_job(
