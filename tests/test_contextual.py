@@ -1,13 +1,16 @@
 """Contextual sparsity: sparse MLPs equal the dense model with everything kept, the gathered path
 equals the masked dense MLP, calibration hits its target, bad inputs are clear errors."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from sparsegen.contextual import SELECTORS, SparseMLP, densify, load_selectors, save_selectors, sparsify
-from sparsegen.contextual.apply import collect_stats
+from sparsegen.contextual.apply import collect_stats, installed_selectors, read_bytes
 from sparsegen.contextual.base import mlp_parts
+from sparsegen.contextual.teal import InputSparseLinear
 from sparsegen.errors import SparsegenError
 from sparsegen.prune import decoder_layers
 from tests.conftest import build_tiny
@@ -25,12 +28,13 @@ def test_everything_kept_generates_the_dense_tokens(arch, selector):
         dense_logits = model(prompt).logits
     dense = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     sparsify(model, selector, 0.0, calibration=_ids(), progress=False)
-    assert all(isinstance(layer.mlp, SparseMLP) for layer in decoder_layers(model))
+    assert all(s is not None for s in installed_selectors(model))
     assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0), dense)
     with torch.no_grad():
         torch.testing.assert_close(model(prompt).logits, dense_logits, rtol=1e-5, atol=1e-5)
     densify(model)
-    assert not any(isinstance(layer.mlp, SparseMLP) for layer in decoder_layers(model))
+    assert installed_selectors(model) == [None] * len(decoder_layers(model))
+    assert not any(isinstance(m, SparseMLP | InputSparseLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("selector", ["threshold", "static", "predictor"])
@@ -49,6 +53,25 @@ def test_the_gathered_mlp_equals_the_dense_mlp_with_unkept_neurons_masked(arch, 
         assert 0.2 < keep.float().mean() < (0.8 if rows == 1 else 0.98)
         expected = parts.down(hidden * keep)
         torch.testing.assert_close(sparse(x)[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_teal_reads_only_the_kept_inputs_rows_and_equals_the_masked_dense_layer(arch, rows):
+    model = build_tiny(arch)
+    sparsify(model, "teal", 0.4, progress=False)
+    layer = decoder_layers(model)[1]
+    wrapped = [m for m in layer.modules() if isinstance(m, InputSparseLinear)]
+    assert len(wrapped) == 7  # q, k, v, o, gate, up, down
+    for linear in wrapped:
+        x = torch.randn(rows, 1, linear.original.in_features, generator=torch.Generator().manual_seed(rows))
+        flat = x[:, 0]
+        top = flat.abs().topk(linear.keep, dim=-1).indices
+        masked = torch.zeros_like(flat).scatter_(1, top, flat.gather(1, top))
+        assert 0 < (masked == 0).float().mean() < 1
+        with torch.no_grad():
+            torch.testing.assert_close(linear(x)[:, 0], linear.original(masked), rtol=1e-5, atol=1e-5)
+    read, total = read_bytes(model, _ids(1, 8))
+    assert read / total == pytest.approx(0.6, abs=0.03)  # the split keeps the layers' skipped share at 40%
 
 
 def test_threshold_calibration_hits_the_target_sparsity():
@@ -82,15 +105,20 @@ def test_a_plain_relu_mlp_is_supported():
         assert selector.keep(None, mlp.act_fn(mlp.up_proj(x[0])), None).float().mean() < 0.8
 
 
-def test_selectors_round_trip_and_refuse_another_model(tmp_path):
+@pytest.mark.parametrize("selector", ["threshold", "teal"])
+def test_selectors_round_trip_and_refuse_another_model(tmp_path, selector):
     model = build_tiny("qwen2")
-    selectors = sparsify(model, "threshold", 0.5, calibration=_ids(), dense_layers=1, progress=False)
-    save_selectors(model, selectors, tmp_path, "threshold", 0.5)
+    selectors = sparsify(model, selector, 0.5, calibration=_ids(), dense_layers=1, progress=False)
+    save_selectors(model, selectors, tmp_path, selector, 0.5)
     with torch.no_grad():
         expected = model(_ids(1, 12, seed=4)).logits
+    densify(model)
+    with torch.no_grad():
+        assert not torch.allclose(model(_ids(1, 12, seed=4)).logits, expected, atol=1e-4)
     fresh = build_tiny("qwen2")
     loaded = load_selectors(fresh, tmp_path)
-    assert loaded[0] is None and not isinstance(decoder_layers(fresh)[0].mlp, SparseMLP)
+    assert loaded[0] is None and installed_selectors(fresh)[0] is None and loaded[1] is not None
+    assert not any(isinstance(m, SparseMLP | InputSparseLinear) for m in decoder_layers(fresh)[0].modules())
     with torch.no_grad():
         torch.testing.assert_close(fresh(_ids(1, 12, seed=4)).logits, expected, rtol=0, atol=0)
     with pytest.raises(SparsegenError, match="made for another model"):
@@ -137,6 +165,21 @@ def test_sparse_mlps_compose_with_a_kv_policy_and_a_pruned_model():
     cache = make_cache(model, "streaming", budget=12)
     model.generate(prompt, past_key_values=cache, max_new_tokens=10, do_sample=False)
     assert cache.physical_length() <= 13
+
+
+@pytest.mark.parametrize("selector", ["teal", "static"])
+def test_sparse_models_on_the_fast_path_equal_transformers_generate(arch, selector):
+    from sparsegen.decode import generate
+    from sparsegen.kv import make_cache
+
+    model = build_tiny(arch)
+    sparsify(model, selector, 0.4, calibration=_ids(), progress=False)
+    prompt = _ids(1, 20, seed=3)
+    expected = model.generate(
+        prompt, past_key_values=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
+    )
+    got = generate(model, prompt, 8, policy="h2o", compile="never", eos_token_id=[], heavy=4, recent=6)
+    assert got.tokens[0] == expected[0, 20:].tolist()
 
 
 def test_quality_curve_and_speed_bench_on_a_tiny_model(tiny_folder, tiny_text, tmp_path):
@@ -193,3 +236,32 @@ def test_selectors_saved_in_a_model_folder_load_with_the_model(tiny_folder):
     assert all(isinstance(layer.mlp, SparseMLP) for layer in decoder_layers(loaded))
     with torch.no_grad():
         torch.testing.assert_close(loaded(_ids(1, 12, seed=6)).logits, expected, rtol=0, atol=0)
+
+
+def test_existence_counts_the_parts_a_token_needs():
+    from sparsegen.contextual.measure import _needed, _static_error
+
+    orthogonal = torch.eye(4)[None]  # four equal orthogonal parts: k kept leave sqrt(4 - k) / 2
+    assert _needed(orthogonal, 0.6).item() == 3
+    assert _needed(orthogonal, 0.75).item() == 2
+    one_matters = torch.tensor([[[5.0, 0.0], [0.01, 0.0], [0.0, 0.01]]])
+    assert _needed(one_matters, 0.1).item() == 1
+    # tokens whose important part differs: the best fixed single part misses the other token's
+    tokens = torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 2.0]]])
+    assert _static_error(tokens, 1) == pytest.approx(0.5)
+
+
+def test_contextual_measure_writes_a_row_per_layer_and_plots(tiny_folder, tiny_text, tmp_path, monkeypatch, capsys):
+    from tests.test_cli import run_cli
+
+    out = tmp_path / "measure"
+    args = ["contextual", "measure", "--model", tiny_folder, "--text", tiny_text, "--tokens", "40", "--out", out]
+    code, _, stderr = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, stderr
+    rows = json.loads((out / "contextual_measure.json").read_text())["rows"]
+    assert len(rows) == len(decoder_layers(build_tiny("llama")))
+    assert all(0 < r["neurons_needed"] <= 1 and 0 < r["heads_needed"] <= 1 for r in rows)
+    assert rows[-1]["residual_cosine"] is None and -1 <= rows[0]["residual_cosine"] <= 1
+    assert {p.name for p in out.glob("*.png")} == {"needed.png", "static_error.png", "residual_cosine.png"}
+    code, _, stderr = run_cli(monkeypatch, capsys, *args, "--tolerance", "1.5")
+    assert code != 0 and "--tolerance must be in (0, 1)" in stderr

@@ -23,3 +23,21 @@ def test_everything_kept_equals_dense_and_half_kept_differs(real):
         assert not torch.equal(halved, dense) and torch.equal(halved[:, : prompt.shape[1]], prompt)
     finally:
         densify(model)
+
+
+def test_teal_on_the_fast_path_matches_transformers_and_reads_what_it_says(real):
+    from sparsegen.contextual.apply import read_bytes
+    from sparsegen.decode import generate
+
+    model, tokenizer = real
+    prompt = tokenizer("Of man's first disobedience, and the fruit", return_tensors="pt").input_ids
+    dense = generate(model, prompt, 16, compile="never", eos_token_id=[]).tokens[0]
+    try:
+        sparsify(model, "teal", 0.25, progress=False)
+        read, total = read_bytes(model, prompt)
+        assert read / total == pytest.approx(0.75, abs=0.01)
+        fast = generate(model, prompt, 16, compile="never", eos_token_id=[]).tokens[0]
+        reference = model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1] :].tolist()
+        assert fast == reference and fast != dense
+    finally:
+        densify(model)

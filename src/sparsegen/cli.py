@@ -23,7 +23,9 @@ eval_app = typer.Typer(help="Evaluation: windowed perplexity, zero-shot accuracy
 app.add_typer(eval_app, name="eval")
 prompt_app = typer.Typer(help="Compress, then prompt: learn and evaluate soft prompts.", no_args_is_help=True)
 app.add_typer(prompt_app, name="prompt")
-contextual_app = typer.Typer(help="Contextual sparsity: per-token MLP neuron selection.", no_args_is_help=True)
+contextual_app = typer.Typer(
+    help="Contextual sparsity: per-token MLP neurons or projection inputs.", no_args_is_help=True
+)
 app.add_typer(contextual_app, name="contextual")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
@@ -476,11 +478,60 @@ def _floats(values: str) -> list[float]:
     return [float(v) for v in values.split(",") if v.strip()]
 
 
+@contextual_app.command("measure")
+def contextual_measure_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("milton", "--text"),
+    tokens: int = typer.Option(512, "--tokens", help="Tokens of the text to measure over."),
+    tolerance: float = typer.Option(0.1, "--tolerance", help="Relative error of a block's output that is allowed."),
+    out_dir: Path = typer.Option(Path("results/contextual_measure"), "--out"),
+) -> None:
+    """Does contextual sparsity exist? Neurons and heads each token needs per layer, against a static set."""
+    from sparsegen.contextual.measure import measure_existence
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.ioutil import write_json, write_text
+    from sparsegen.models import load
+    from sparsegen.report import markdown_table, plot_lines
+
+    if not 0 < tolerance < 1:
+        raise SparsegenError(f"--tolerance must be in (0, 1), got {tolerance}")
+    loaded, tokenizer = load(model)
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)[None]
+    with err.status(f"measuring {ids.shape[1]} tokens of {text}"):
+        rows = measure_existence(loaded, ids, tolerance)
+    write_json(out_dir / "contextual_measure.json", {"model": model, "text": text, "tokens": ids.shape[1],
+                                                      "tolerance": tolerance, "rows": rows})  # fmt: skip
+    columns = [(k, k) for k in rows[0]]
+    write_text(out_dir / "contextual_measure.md", markdown_table(rows, columns))
+    layers = [r["layer"] for r in rows]
+    plot_lines(
+        {"MLP neurons": (layers, [r["neurons_needed"] for r in rows]),
+         "attention heads": (layers, [r["heads_needed"] for r in rows])},
+        out_dir / "needed.png", "layer", f"share a token needs (output within {tolerance:.0%})",
+        title=f"{model}: contextual sparsity per layer",
+    )  # fmt: skip
+    plot_lines(
+        {"static neurons": (layers, [r["static_neuron_error"] for r in rows]),
+         "static heads": (layers, [r["static_head_error"] for r in rows])},
+        out_dir / "static_error.png", "layer", "relative error of a static set of the same size",
+        title=f"{model}: a fixed set of the same size",
+    )  # fmt: skip
+    cosine = [r for r in rows if r["residual_cosine"] is not None]
+    plot_lines(
+        {"cos(x_l, x_l+1)": ([r["layer"] for r in cosine], [r["residual_cosine"] for r in cosine])},
+        out_dir / "residual_cosine.png", "layer", "cosine similarity of consecutive layers' inputs",
+        title=f"{model}: the residual stream changes slowly",
+    )  # fmt: skip
+    out.print(markdown_table(rows, columns))
+
+
 @contextual_app.command("train")
 def contextual_train_command(
     model: str = ModelOpt,
     selector: str = typer.Option("threshold", "--selector", help=SELECTOR_HELP),
-    sparsity: float = typer.Option(0.5, "--sparsity", help="Share of MLP neurons skipped per token, in [0, 1)."),
+    sparsity: float = typer.Option(
+        0.5, "--sparsity", help="Share skipped per token, in [0, 1): of MLP neurons (teal: of the layers' weights)."
+    ),
     dense_layers: int = typer.Option(0, "--dense-layers", help="First layers left dense."),
     calib_text: str = typer.Option("shakespeare", "--calib-text"),
     n_samples: int = typer.Option(8, "--n-samples"),
@@ -528,14 +579,14 @@ def contextual_eval_command(
         loaded, ids, calibration, names, _floats(sparsities), seqlen, windows, dense_layers,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
     )  # fmt: skip
-    columns = [(k, k) for k in ("selector", "sparsity", "kept", "ppl", "kl", "top1")]
+    columns = [(k, k) for k in ("selector", "sparsity", "kept", "read", "ppl", "kl", "top1")]
     write_json(out_dir / "contextual_eval.json", {"model": model, "text": text, "seqlen": seqlen, "rows": rows})
     write_text(out_dir / "contextual_eval.md", markdown_table(rows, columns))
     dense = rows[0]["ppl"]
     plot_lines(
-        {n: ([r["sparsity"] for r in rows if r["selector"] == n], [r["ppl"] for r in rows if r["selector"] == n])
+        {n: ([1 - r["read"] for r in rows if r["selector"] == n], [r["ppl"] for r in rows if r["selector"] == n])
          for n in names},
-        out_dir / "contextual_eval.png", "MLP sparsity (share of neurons skipped)", f"perplexity on {text}",
+        out_dir / "contextual_eval.png", "share of the layers' weights a decode step skips", f"perplexity on {text}",
         title=f"{model}: quality vs contextual sparsity (dense {dense:.2f})",
     )  # fmt: skip
     out.print(markdown_table(rows, columns))
@@ -549,9 +600,12 @@ def bench_contextual_command(
     batches: str = typer.Option("1", "--batches", help="Batch sizes, comma-separated."),
     context: int = typer.Option(256, "--context"),
     tokens: int = typer.Option(32, "--tokens"),
+    compile: str = typer.Option(
+        "never", "--compile", help="never (eager) or always: dense and sparse run the fast decode path in this mode."
+    ),
     out_dir: Path = typer.Option(Path("results/bench_contextual"), "--out"),
 ) -> None:
-    """Decode ms/token of sparse MLPs vs dense, side by side, with the bytes-per-step bound."""
+    """Decode ms/token of contextual sparsity vs dense, side by side, with the bytes-per-step bound."""
     from sparsegen.bench.contextual import bench_contextual
 
     bench_contextual(
@@ -561,6 +615,7 @@ def bench_contextual_command(
         tuple(int(b) for b in batches.split(",")),
         context,
         tokens,
+        compile=compile,
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
     )

@@ -1,20 +1,17 @@
-"""`sparsegen bench contextual`: decode speed of sparse MLPs against the dense model, side by side.
+"""`sparsegen bench contextual`: decode speed of contextual sparsity against the dense model, side by side.
 
-Both run the same eager path (transformers' modules; only the MLPs differ) over the same prompt and
-cache length, alternating rounds so that drift of the machine hits both. Each row states the bytes
-a step must read (weights, with the MLP's share cut to what the selector reads, plus the held KV)
-and the fraction of the measured memory bandwidth's bound it reaches.
+Both run the project's fast decode path (`sparsegen.generate`) in the same mode, eager or compiled,
+over the same prompt, alternating rounds so that drift of the machine hits both. Each row states
+the bytes a step must read (the weights each selector reads, plus the held KV) and the fraction of
+the measured memory bandwidth's bound it reaches.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
 from sparsegen.ioutil import write_json, write_text
@@ -25,6 +22,7 @@ COLUMNS = [
     ("sparsity", "sparsity"),
     ("batch", "batch"),
     ("kept", "neurons kept"),
+    ("read", "layer weights read"),
     ("ms", "ms/token"),
     ("speedup", "vs dense"),
     ("mb", "MB read/step"),
@@ -32,40 +30,30 @@ COLUMNS = [
 ]
 
 
-@torch.no_grad()
-def _decode_ms(model, prompt: torch.Tensor, tokens: int) -> float:
-    """Median ms of one greedy decode step after `prompt` [batch, n]."""
-    cache = DynamicCache(config=model.config)
-    logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:]
-    times = []
-    for _ in range(tokens):
-        step = logits.argmax(-1)
-        started = time.perf_counter()
-        logits = model(step, past_key_values=cache, use_cache=True).logits
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+def _decode_ms(model, prompt: torch.Tensor, tokens: int, compile: str, notify) -> float:
+    """ms per greedy decode step after `prompt` [batch, n] on the fast path."""
+    from sparsegen.decode import generate
+
+    torch._dynamo.reset()  # a sparse model is another graph: compile it afresh (from the disk cache)
+    return generate(model, prompt, tokens, compile=compile, eos_token_id=[], notify=notify).ms_per_step
 
 
-def _step_bytes(model, selector, kept: float, batch: int, context: int) -> float:
-    """Bytes one decode step reads: every weight, MLP rows only where kept, plus the KV cache
-    (`model` with its dense MLPs in place)."""
-    from sparsegen.contextual import SELECTORS, mlp_parts
+def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float]:
+    """Bytes one decode step of the rows of `prompt` reads (the embedding table once, for the tied
+    lm_head; the decoder layers' weights as their selectors read them; the KV), and the share of the
+    decoder layers' weights read."""
+    from sparsegen.contextual.apply import read_bytes
     from sparsegen.prune.pipeline import decoder_layers
 
     size = next(model.parameters()).element_size()
-    total = sum(p.numel() for p in model.parameters()) * size
-    if getattr(model.config, "tie_word_embeddings", False):
-        total += model.get_input_embeddings().weight.numel() * size  # the lm_head reads the table again
-    total -= model.get_input_embeddings().weight.numel() * size  # a lookup reads one row
-    if selector != "dense":
-        parts = mlp_parts(decoder_layers(model)[0].mlp)
-        linears = [linear for linear in (parts.gate, parts.up, parts.down) if linear is not None]
-        per_layer = sum(linear.weight.numel() for linear in linears) * size
-        gate = parts.gate.weight.numel() * size if SELECTORS[selector].needs_gate and parts.gate is not None else 0
-        total -= len(decoder_layers(model)) * (per_layer - gate) * (1 - kept)
+    layer_read, layer_total = read_bytes(model, prompt)
+    outside = sum(p.numel() for p in model.parameters()) * size
+    outside -= sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters()) * size
+    if not getattr(model.config, "tie_word_embeddings", False):
+        outside -= model.get_input_embeddings().weight.numel() * size  # a lookup reads one row
     config = model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * getattr(config, "head_dim", 64) * size
-    return total + kv * context * batch
+    return outside + layer_read + kv * context * prompt.shape[0], layer_read / layer_total
 
 
 def bench_contextual(
@@ -76,6 +64,7 @@ def bench_contextual(
     context: int = 256,
     tokens: int = 32,
     rounds: int = 2,
+    compile: str = "never",
     calib_text: str = "shakespeare",
     out: Path = Path("results/bench_contextual"),
     progress: Callable[[str], None] = print,
@@ -103,10 +92,12 @@ def bench_contextual(
                 if selector != "dense":
                     if config not in installed:
                         installed[config] = sparsify(model, selector, sparsity, calibration, progress=False)
-                        kept[config] = kept_share(model, prompt[:1])
                     else:
                         install(model, installed[config])
-                timings.setdefault((config, batch), []).append(_decode_ms(model, prompt, tokens))
+                ms = _decode_ms(model, prompt, tokens, compile, lambda message: progress(f"  {message}"))
+                timings.setdefault((config, batch), []).append(ms)
+                if (config, batch) not in kept:
+                    kept[config, batch] = (kept_share(model, prompt), *_step_bytes(model, prompt, context))
     densify(model)
     rows = []
     for batch in batches:
@@ -114,17 +105,24 @@ def bench_contextual(
         for config in configs:
             selector, sparsity = config
             ms = min(timings[(config, batch)])
-            share = kept.get(config, 1.0)
-            step_bytes = _step_bytes(model, selector, share, batch, context)
+            share, step_bytes, read = kept[config, batch]
             rows.append({
-                "selector": selector, "sparsity": sparsity, "batch": batch, "kept": share, "ms": ms,
+                "selector": selector, "sparsity": sparsity, "batch": batch, "kept": share, "read": read, "ms": ms,
                 "speedup": dense_ms / ms, "mb": step_bytes / 1e6, "bound": step_bytes / (bandwidth * 1e9) / (ms / 1e3),
             })  # fmt: skip
-    meta = run_meta(model=model_name, context=context, tokens=tokens, rounds=rounds, bandwidth_gbs=round(bandwidth, 1))
+    meta = run_meta(
+        model=model_name,
+        context=context,
+        tokens=tokens,
+        rounds=rounds,
+        compile=compile,
+        bandwidth_gbs=round(bandwidth, 1),
+    )
     write_json(out / "bench_contextual.json", {"meta": meta, "rows": rows})
     header = (
-        f"model `{model_name}`, fp32 eager, {context}-token prompt then greedy decoding, median ms per step over "
-        f"{tokens} steps, best of {rounds} alternating rounds; read bandwidth {bandwidth:.1f} GB/s; "
+        f"model `{model_name}`, fp32, the fast decode path with compile={compile}, {context}-token prompt then "
+        f"{tokens} greedy steps, mean ms per step, best of {rounds} alternating rounds; read bandwidth "
+        f"{bandwidth:.1f} GB/s; "
         f"{meta['machine']}, {meta['date']}\n\n"
     )
     write_text(out / "bench_contextual.md", header + markdown_table(rows, COLUMNS))

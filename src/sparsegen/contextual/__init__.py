@@ -1,6 +1,6 @@
 """Contextual sparsity (Deja Vu, CATS): per token, compute only the MLP neurons that matter."""
 
-from sparsegen.contextual import oracle, predictor, static, threshold  # noqa: F401  (register selectors)
+from sparsegen.contextual import oracle, predictor, static, teal, threshold  # noqa: F401  (register selectors)
 from sparsegen.contextual.apply import densify, install, load_selectors, save_selectors, sparsify
 from sparsegen.contextual.base import SELECTORS, Selector, make_selector, mlp_parts
 from sparsegen.contextual.mlp import SparseMLP

@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from sparsegen.contextual.base import LayerStats, Selector, make_selector, mlp_activations, mlp_parts
 from sparsegen.contextual.mlp import SparseMLP
+from sparsegen.contextual.teal import InputSparseLinear
+from sparsegen.contextual.teal import uninstall as uninstall_inputs
 from sparsegen.errors import SparsegenError
 from sparsegen.prune.pipeline import decoder_layers
 
@@ -70,7 +72,8 @@ def sparsify(
     for layer in layers:
         mlp_parts(layer.mlp)
     selectors = [make_selector(selector, sparsity) if i >= dense_layers else None for i in range(len(layers))]
-    stats = collect_stats(model, calibration) if calibration is not None else None
+    calibrates = type(selectors[-1]).calibrate is not Selector.calibrate
+    stats = collect_stats(model, calibration) if calibration is not None and calibrates else None
     if stats is not None:
         bar = tqdm(stats, desc=f"calibrating {selector} {sparsity:.0%}", disable=not progress)
         for layer_stats, chosen in zip(bar, selectors, strict=True):
@@ -81,45 +84,87 @@ def sparsify(
 
 
 def install(model: nn.Module, selectors: list[Selector | None]) -> None:
-    """Give each decoder layer a `SparseMLP` with its selector (None: the original, dense MLP)."""
+    """Put each selector into its decoder layer (None: the layer stays dense)."""
+    densify(model)
     for layer, selector in zip(decoder_layers(model), selectors, strict=True):
-        original = _dense(layer.mlp)
-        if selector is None:
-            layer.mlp = original
-            continue
-        layer.mlp = SparseMLP(mlp_parts(original), selector)
-        layer.mlp.original = original
+        if selector is not None:
+            selector.install(layer)
 
 
 def installed_selectors(model: nn.Module) -> list[Selector | None]:
-    return [layer.mlp.selector if isinstance(layer.mlp, SparseMLP) else None for layer in decoder_layers(model)]
+    return [getattr(layer.mlp, "selector", None) for layer in decoder_layers(model)]
 
 
 @torch.no_grad()
-def kept_share(model: nn.Module, ids: torch.Tensor) -> float:
-    """Mean share of neurons a token of `ids` [1, n] keeps, over all layers (dense ones keep all):
-    measured, not the target."""
-    shares = []
+def layer_kept_shares(model: nn.Module, ids: torch.Tensor) -> list[float]:
+    """Per decoder layer, the mean share of MLP neurons a step over `ids` [b, n] computes (dense
+    layers: all); the b rows of one step share the union of their sets. Measured, not the target."""
+    layers = decoder_layers(model)
+    shares = [1.0] * len(layers)
 
-    def hook(module, args):
-        x = args[0].reshape(-1, args[0].shape[-1])
-        gate_act, hidden = mlp_activations(mlp_parts(module.original), x)
-        shares.append(module.selector.keep(x, gate_act, hidden).float().mean().item())
+    def hook(index, selector):
+        def record(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            gate_act, hidden = mlp_activations(mlp_parts(_dense(module)), x)
+            keep = selector.keep(x, gate_act, hidden).view(*ids.shape, -1).any(0)
+            shares[index] = keep.float().mean().item()
 
-    selectors = installed_selectors(model)
-    sparse = [layer.mlp for layer in decoder_layers(model) if isinstance(layer.mlp, SparseMLP)]
-    handles = [mlp.register_forward_pre_hook(hook) for mlp in sparse]
+        return record
+
+    handles = [
+        layer.mlp.register_forward_pre_hook(hook(i, selector))
+        for i, (layer, selector) in enumerate(zip(layers, installed_selectors(model), strict=True))
+        if selector is not None
+    ]
     try:
         model(ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    return (sum(shares) + len(selectors) - len(sparse)) / len(selectors)
+    return shares
+
+
+def kept_share(model: nn.Module, ids: torch.Tensor) -> float:
+    """Mean share of MLP neurons a token keeps, over all layers."""
+    shares = layer_kept_shares(model, ids)
+    return sum(shares) / len(shares)
+
+
+def read_bytes(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+    """Bytes of decoder-layer weights one decode step of the rows `ids` [b, n] reads, and of all of
+    them: a SparseMLP reads its kept neurons' rows (and the whole gate if its selector needs it), an
+    InputSparseLinear its kept inputs' rows at one row (all of them for more), anything else all."""
+    read = total = 0.0
+    for layer, share in zip(decoder_layers(model), layer_kept_shares(model, ids), strict=True):
+        for module in layer.modules():
+            if isinstance(module, SparseMLP):
+                for name, linear in (("gate", module.parts.gate), ("up", module.parts.up), ("down", module.parts.down)):
+                    if linear is None:
+                        continue
+                    size = linear.weight.numel() * linear.weight.element_size()
+                    whole = module.selector.needs_hidden or name == "gate" and module.selector.needs_gate
+                    read, total = read + size * (1.0 if whole else share), total + size
+            elif isinstance(module, InputSparseLinear):
+                size = module.original.weight.numel() * module.original.weight.element_size()
+                read, total = read + size * (module.read_share if ids.shape[0] == 1 else 1.0), total + size
+            elif isinstance(module, nn.Linear) and not _wrapped(layer, module):
+                size = module.weight.numel() * module.weight.element_size()
+                read, total = read + size, total + size
+    return read, total
+
+
+def _wrapped(layer: nn.Module, linear: nn.Linear) -> bool:
+    """Whether `linear` is the original inside a SparseMLP or InputSparseLinear (counted there)."""
+    return any(
+        isinstance(module, SparseMLP | InputSparseLinear) and any(m is linear for m in module.modules())
+        for module in layer.modules()
+    )
 
 
 def densify(model: nn.Module) -> None:
-    """Put the original MLPs back."""
+    """Put the original MLPs and projections back."""
     for layer in decoder_layers(model):
+        uninstall_inputs(layer)
         layer.mlp = _dense(layer.mlp)
 
 
@@ -146,7 +191,12 @@ def save_selectors(
         if s is not None
         for name, value in s.state().items()
     }
-    meta = {"selector": selector, "sparsity": str(sparsity), "shape": json.dumps(_shape(model))}
+    meta = {
+        "selector": selector,
+        "sparsity": str(sparsity),
+        "shape": json.dumps(_shape(model)),
+        "sparse_layers": json.dumps([i for i, s in enumerate(selectors) if s is not None]),
+    }
     path = Path(folder) / SELECTORS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -173,13 +223,10 @@ def load_selectors(model: nn.Module, folder: str | Path) -> list[Selector | None
         raise SparsegenError(
             f"{path} was made for another model ({saved}), not this one ({here}): train selectors for this model"
         )
-    selectors: list[Selector | None] = []
-    for i in range(len(decoder_layers(model))):
+    selectors: list[Selector | None] = [None] * len(decoder_layers(model))
+    for i in json.loads(meta["sparse_layers"]):
         state = {key.split(".", 1)[1]: value for key, value in tensors.items() if key.split(".", 1)[0] == str(i)}
-        selector = None
-        if state or meta["selector"] == "oracle":  # the oracle has no state; a layer without one is dense
-            selector = make_selector(meta["selector"], float(meta["sparsity"]))
-            selector.load_state(state)
-        selectors.append(selector)
+        selectors[i] = make_selector(meta["selector"], float(meta["sparsity"]))
+        selectors[i].load_state(state)
     install(model, selectors)
     return selectors

@@ -42,15 +42,20 @@ class MLPParts:
 def mlp_parts(mlp: nn.Module) -> MLPParts:
     """The MLP's projections: gate_proj/up_proj/down_proj/act_fn (gated), up_proj/down_proj or fc1/fc2."""
     act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None) or getattr(mlp, "act", None)
-    up = getattr(mlp, "up_proj", None) or getattr(mlp, "fc1", None)
-    down = getattr(mlp, "down_proj", None) or getattr(mlp, "fc2", None)
+    up = _unwrapped(getattr(mlp, "up_proj", None) or getattr(mlp, "fc1", None))
+    down = _unwrapped(getattr(mlp, "down_proj", None) or getattr(mlp, "fc2", None))
     if not (isinstance(up, nn.Linear) and isinstance(down, nn.Linear) and act is not None):
         raise SparsegenError(
             f"{type(mlp).__name__} is neither a gated MLP (gate_proj, up_proj, down_proj, act_fn) nor a plain "
             "ReLU/GELU MLP (up_proj/fc1, down_proj/fc2 and an activation): contextual sparsity cannot select "
             "its neurons"
         )
-    return MLPParts(getattr(mlp, "gate_proj", None), up, down, act)
+    return MLPParts(_unwrapped(getattr(mlp, "gate_proj", None)), up, down, act)
+
+
+def _unwrapped(module: nn.Module | None) -> nn.Module | None:
+    """The Linear itself, also when a sparse wrapper holds it as `original`."""
+    return module.original if isinstance(getattr(module, "original", None), nn.Linear) else module
 
 
 def mlp_activations(parts: MLPParts, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +80,8 @@ class LayerStats:
 class Selector(ABC):
     """Base class: set `name`, `needs_gate` (the mask depends on act(gate(x)), which is then
     computed for every neuron) or `needs_hidden` (it depends on h itself: a quality reference that
-    cannot be faster); implement `keep` and, if it has per-layer settings, `calibrate`."""
+    cannot be faster); implement `keep` and, if it has per-layer settings, `calibrate`. `install`
+    puts the selector into a decoder layer (by default: its MLP becomes a `SparseMLP`)."""
 
     name: ClassVar[str]
     needs_gate: ClassVar[bool] = False
@@ -94,6 +100,13 @@ class Selector(ABC):
     def keep(self, x: torch.Tensor, gate_act: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
         """Boolean keep mask [t, neurons] for the MLP inputs `x` [t, hidden_size] (`gate_act`, `hidden`
         [t, neurons] are given when the selector declared it needs them)."""
+
+    def install(self, layer: nn.Module) -> None:
+        from sparsegen.contextual.mlp import SparseMLP
+
+        original = layer.mlp
+        layer.mlp = SparseMLP(mlp_parts(original), self)
+        layer.mlp.original = original
 
     def state(self) -> dict[str, torch.Tensor]:
         """Tensors to save with the predictors file (per-layer settings)."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsegen.contextual.base import MLPParts, Selector, mlp_activations
+from sparsegen.decode.engine import linear
 
 
 class SparseMLP(nn.Module):
@@ -62,9 +63,10 @@ class SparseMLP(nn.Module):
         return self._down(hidden * keep)
 
     def _static(self, rows: torch.Tensor) -> torch.Tensor:
+        """A smaller dense MLP (through the compiled decode step's fast batch-1 product)."""
         gate_w, up_w, down_w = self.compact
-        gate = F.linear(rows, gate_w) if gate_w is not None else None
-        out = F.linear(self._activated(F.linear(rows, up_w), gate), down_w)
+        gate = linear(rows, gate_w) if gate_w is not None else None
+        out = linear(self._activated(linear(rows, up_w), gate), down_w)
         return out + self.down_bias if self.down_bias is not None else out
 
     def _paired_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

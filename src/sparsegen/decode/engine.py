@@ -30,15 +30,19 @@ GEMV_ROWS = 4
 PREFILL_ROWS = 4  # rows read in one prefill forward: bounds the dense prompt KV held before eviction
 
 
-def _gemv_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward`, but inside a compiled graph a few rows become one multiply-and-sum
-    over the weight rows: inductor emits a streaming reduction that reads the weights near the
-    memory bus's speed (measured 2x the batch-1 `mm` kernel on this CPU, fp32 and bf16), where
-    `mm` shapes for one token are far from the bound. Prefill and eager calls are untouched."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, but inside a compiled graph a few rows become one multiply-and-sum over the
+    weight rows: inductor emits a streaming reduction that reads the weights near the memory bus's
+    speed (measured 2x the batch-1 `mm` kernel on this CPU, fp32 and bf16), where `mm` shapes for
+    one token are far from the bound. Prefill and eager calls are untouched."""
     if not torch.compiler.is_compiling() or x.numel() // x.shape[-1] > GEMV_ROWS:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    out = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
-    return (out if self.bias is None else out + self.bias).to(x.dtype)
+        return torch.nn.functional.linear(x, weight, bias)
+    out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    return (out if bias is None else out + bias).to(x.dtype)
+
+
+def _gemv_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
 
 
 def use_gemv(model: torch.nn.Module) -> None:
