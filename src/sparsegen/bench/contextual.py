@@ -38,22 +38,24 @@ def _decode_ms(model, prompt: torch.Tensor, tokens: int, compile: str, notify) -
     return generate(model, prompt, tokens, compile=compile, eos_token_id=[], notify=notify).ms_per_step
 
 
-def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float]:
-    """Bytes one decode step of the rows of `prompt` reads (the embedding table once, for the tied
-    lm_head; the decoder layers' weights as their selectors read them; the KV), and the share of the
-    decoder layers' weights read."""
-    from sparsegen.contextual.apply import read_bytes
+def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float, float]:
+    """The share of MLP neurons a decode step of the rows of `prompt` computes, the bytes it reads
+    (the embedding table once, for the tied lm_head; the decoder layers' weights as their selectors
+    read them; the KV), and the share of the decoder layers' weights read."""
+    from sparsegen.contextual.apply import layer_kept_shares, read_bytes
     from sparsegen.prune.pipeline import decoder_layers
 
     size = next(model.parameters()).element_size()
-    layer_read, layer_total = read_bytes(model, prompt)
+    shares = layer_kept_shares(model, prompt)
+    layer_read, layer_total = read_bytes(model, prompt, shares)
     outside = sum(p.numel() for p in model.parameters()) * size
     outside -= sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters()) * size
     if not getattr(model.config, "tie_word_embeddings", False):
         outside -= model.get_input_embeddings().weight.numel() * size  # a lookup reads one row
     config = model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * getattr(config, "head_dim", 64) * size
-    return outside + layer_read + kv * context * prompt.shape[0], layer_read / layer_total
+    step = outside + layer_read + kv * context * prompt.shape[0]
+    return sum(shares) / len(shares), step, layer_read / layer_total
 
 
 def bench_contextual(
@@ -70,7 +72,6 @@ def bench_contextual(
     progress: Callable[[str], None] = print,
 ) -> list[dict]:
     from sparsegen.contextual import densify, install, sparsify
-    from sparsegen.contextual.apply import kept_share
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.models import load
 
@@ -97,7 +98,7 @@ def bench_contextual(
                 ms = _decode_ms(model, prompt, tokens, compile, lambda message: progress(f"  {message}"))
                 timings.setdefault((config, batch), []).append(ms)
                 if (config, batch) not in kept:
-                    kept[config, batch] = (kept_share(model, prompt), *_step_bytes(model, prompt, context))
+                    kept[config, batch] = _step_bytes(model, prompt, context)
     densify(model)
     rows = []
     for batch in batches:

@@ -124,18 +124,16 @@ def layer_kept_shares(model: nn.Module, ids: torch.Tensor) -> list[float]:
     return shares
 
 
-def kept_share(model: nn.Module, ids: torch.Tensor) -> float:
-    """Mean share of MLP neurons a token keeps, over all layers."""
-    shares = layer_kept_shares(model, ids)
-    return sum(shares) / len(shares)
-
-
-def read_bytes(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+def read_bytes(model: nn.Module, ids: torch.Tensor, shares: list[float] | None = None) -> tuple[float, float]:
     """Bytes of decoder-layer weights one decode step of the rows `ids` [b, n] reads, and of all of
     them: a SparseMLP reads its kept neurons' rows (and the whole gate if its selector needs it), an
-    InputSparseLinear its kept inputs' rows at one row (all of them for more), anything else all."""
+    InputSparseLinear its kept inputs' rows at one row (all of them for more), anything else all.
+    `shares` are `layer_kept_shares(model, ids)` when the caller has them already."""
+    shares = layer_kept_shares(model, ids) if shares is None else shares
     read = total = 0.0
-    for layer, share in zip(decoder_layers(model), layer_kept_shares(model, ids), strict=True):
+    for layer, share in zip(decoder_layers(model), shares, strict=True):
+        wrappers = [m for m in layer.modules() if isinstance(m, SparseMLP | InputSparseLinear)]
+        inside = {id(m) for wrapper in wrappers for m in wrapper.modules() if m is not wrapper}  # counted there
         for module in layer.modules():
             if isinstance(module, SparseMLP):
                 for name, linear in (("gate", module.parts.gate), ("up", module.parts.up), ("down", module.parts.down)):
@@ -147,18 +145,10 @@ def read_bytes(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
             elif isinstance(module, InputSparseLinear):
                 size = module.original.weight.numel() * module.original.weight.element_size()
                 read, total = read + size * (module.read_share if ids.shape[0] == 1 else 1.0), total + size
-            elif isinstance(module, nn.Linear) and not _wrapped(layer, module):
+            elif isinstance(module, nn.Linear) and id(module) not in inside:
                 size = module.weight.numel() * module.weight.element_size()
                 read, total = read + size, total + size
     return read, total
-
-
-def _wrapped(layer: nn.Module, linear: nn.Linear) -> bool:
-    """Whether `linear` is the original inside a SparseMLP or InputSparseLinear (counted there)."""
-    return any(
-        isinstance(module, SparseMLP | InputSparseLinear) and any(m is linear for m in module.modules())
-        for module in layer.modules()
-    )
 
 
 def densify(model: nn.Module) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.contextual.apply import densify, kept_share, read_bytes, sparsify
+from sparsegen.contextual.apply import densify, layer_kept_shares, read_bytes, sparsify
 
 
 @torch.no_grad()
@@ -38,10 +38,10 @@ def quality_curve(
         for sparsity in sparsities:
             progress(f"{selector} at {sparsity:.0%}")
             sparsify(model, selector, sparsity, calibration, dense_layers=dense_layers, progress=False)
-            kept = kept_share(model, chunks[0])
-            read, total = read_bytes(model, chunks[0])
+            shares = layer_kept_shares(model, chunks[0])
+            read, total = read_bytes(model, chunks[0], shares)
             logprobs = [model(chunk, use_cache=False).logits[0, :-1].float().log_softmax(-1) for chunk in chunks]
-            rows.append(_row(selector, sparsity, logprobs, reference, chunks, kept, read / total))
+            rows.append(_row(selector, sparsity, logprobs, reference, chunks, sum(shares) / len(shares), read / total))
             densify(model)
     return rows
 

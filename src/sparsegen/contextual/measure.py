@@ -34,6 +34,13 @@ def _static_error(parts: torch.Tensor, size: int) -> float:
     return ((whole - parts[:, kept].sum(1)).norm(dim=-1) / whole.norm(dim=-1).clamp_min(1e-12)).mean().item()
 
 
+def _block_parts(parts, down, per_head, mlp_in, attended) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's parts of the MLP output [t, neurons, hidden] and of the attention output
+    [t, heads, hidden], from the MLP inputs [t, hidden] and o_proj's inputs [t, heads, head_dim]."""
+    hidden = mlp_activations(parts, mlp_in.to(parts.up.weight.dtype))[1].float()
+    return hidden[..., None] * down, torch.einsum("thd,hdo->tho", attended, per_head)
+
+
 @torch.no_grad()
 def measure_existence(model: nn.Module, ids: torch.Tensor, tolerance: float = 0.1, chunk: int = 16) -> list[dict]:
     """One row per decoder layer over the tokens `ids` [1, n]: the mean share of neurons and heads a
@@ -65,20 +72,15 @@ def measure_existence(model: nn.Module, ids: torch.Tensor, tolerance: float = 0.
         o_weight = layer.self_attn.o_proj.weight.float()  # [hidden, heads * head_dim]
         per_head = o_weight.view(o_weight.shape[0], heads, -1).permute(1, 2, 0)  # [heads, head_dim, hidden]
         needed_neurons, needed_heads = [], []
-        for start in range(0, inputs[i]["mlp"].shape[0], chunk):
-            x = inputs[i]["mlp"][start : start + chunk]
-            hidden = mlp_activations(parts, x.to(parts.up.weight.dtype))[1].float()
-            neuron_parts = hidden[..., None] * down  # [t, neurons, hidden]
+        mlp_in, attended = inputs[i]["mlp"], inputs[i]["heads"].view(inputs[i]["mlp"].shape[0], heads, -1)
+        for start in range(0, mlp_in.shape[0], chunk):
+            piece = slice(start, start + chunk)
+            neuron_parts, head_parts = _block_parts(parts, down, per_head, mlp_in[piece], attended[piece])
             needed_neurons.append(_needed(neuron_parts, tolerance))
-            attended = inputs[i]["heads"][start : start + chunk].view(x.shape[0], heads, -1)
-            head_parts = torch.einsum("thd,hdo->tho", attended, per_head)
             needed_heads.append(_needed(head_parts, tolerance))
         neurons, head_counts = torch.cat(needed_neurons).float(), torch.cat(needed_heads).float()
-        sample = slice(0, min(64, inputs[i]["mlp"].shape[0]))  # the static error over a sample of tokens
-        x = inputs[i]["mlp"][sample]
-        all_neurons = mlp_activations(parts, x.to(parts.up.weight.dtype))[1].float()[..., None] * down
-        attended = inputs[i]["heads"][sample].view(x.shape[0], heads, -1)
-        all_heads = torch.einsum("thd,hdo->tho", attended, per_head)
+        sample = slice(0, 64)  # the static error over a sample of tokens (all parts of 512 would take 1.8 GB)
+        all_neurons, all_heads = _block_parts(parts, down, per_head, mlp_in[sample], attended[sample])
         cosine = None
         if i + 1 < len(layers):  # the last hidden state is after the final norm: no next layer's input
             cosine = torch.nn.functional.cosine_similarity(states[i][0].float(), states[i + 1][0].float(), dim=-1)

@@ -34,6 +34,9 @@ class InputSparseLinear(nn.Module):
         self.halves = 2 if linear.out_features % 2 == 0 else 1
         weight_t = linear.weight.detach().t().reshape(linear.in_features * self.halves, -1)
         self.register_buffer("weight_t", weight_t.contiguous(), persistent=False)
+        # input i's part in bag b is row halves * i + b; bag b starts at b * keep
+        self.register_buffer("bags", torch.arange(self.halves)[:, None], persistent=False)
+        self.register_buffer("offsets", torch.arange(self.halves) * self.keep, persistent=False)
 
     @property
     def read_share(self) -> float:
@@ -47,10 +50,9 @@ class InputSparseLinear(nn.Module):
         top = rows.abs().topk(self.keep, dim=-1).indices
         kept = rows.gather(1, top)
         if rows.shape[0] == 1:
-            index = (top * self.halves + torch.arange(self.halves, device=x.device)[:, None]).flatten()
-            offsets = torch.arange(self.halves, device=x.device) * self.keep
+            index = (top * self.halves + self.bags).flatten()
             out = F.embedding_bag(
-                index, self.weight_t, offsets, per_sample_weights=kept.repeat(1, self.halves)[0], mode="sum"
+                index, self.weight_t, self.offsets, per_sample_weights=kept.repeat(1, self.halves)[0], mode="sum"
             )
             out = out.reshape(1, -1)
             if self.original.bias is not None:
