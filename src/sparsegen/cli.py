@@ -540,7 +540,7 @@ def contextual_train_command(
         ..., "--out", help="Folder for contextual.safetensors; in a model folder, sparsegen.load installs it."
     ),
 ) -> None:
-    """Calibrate a neuron selector per layer on real text and save it."""
+    """Calibrate a selector per layer on real text (teal needs none) and save it next to a model."""
     from sparsegen.contextual import save_selectors, sparsify
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.models import load
