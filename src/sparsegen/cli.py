@@ -463,6 +463,12 @@ def bench_compress_prompt_command(
 SELECTOR_HELP = "; ".join(
     f"{name}: {(cls.__doc__ or '').strip().splitlines()[0].rstrip('.')}" for name, cls in SELECTORS.items()
 )
+HeadSparsityOpt = typer.Option(
+    0.0,
+    "--head-sparsity",
+    help="Share of attention heads skipped per token, in [0, 1), chosen by a Deja Vu head predictor trained on "
+    "the calibration text (0: attention stays dense; not with teal).",
+)
 
 
 def registered_names(values: str, registry, what: str) -> list[str]:
@@ -536,19 +542,42 @@ def contextual_train_command(
     calib_text: str = typer.Option("shakespeare", "--calib-text"),
     n_samples: int = typer.Option(8, "--n-samples"),
     seqlen: int = typer.Option(256, "--seqlen"),
+    head_sparsity: float = HeadSparsityOpt,
     out_dir: Path = typer.Option(
         ..., "--out", help="Folder for contextual.safetensors; in a model folder, sparsegen.load installs it."
     ),
 ) -> None:
-    """Calibrate a selector per layer on real text (teal needs none) and save it next to a model."""
+    """Calibrate a selector per layer on real text (teal needs none) and save it next to a model;
+    predictors report their recall per layer on held-out calibration tokens, own input and lookahead."""
     from sparsegen.contextual import save_selectors, sparsify
+    from sparsegen.contextual.apply import installed_heads
     from sparsegen.data import calibration_samples, load_text
+    from sparsegen.ioutil import write_json
     from sparsegen.models import load
+    from sparsegen.report import markdown_table
 
     loaded, tokenizer = load(model)
     calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
-    selectors = sparsify(loaded, selector, sparsity, calibration, dense_layers=dense_layers)
+    selectors = sparsify(
+        loaded, selector, sparsity, calibration, dense_layers=dense_layers, head_sparsity=head_sparsity
+    )
     path = save_selectors(loaded, selectors, out_dir, selector, sparsity)
+    rows = []
+    for layer, (chosen, heads) in enumerate(zip(selectors, installed_heads(loaded), strict=True)):
+        row = {"layer": layer}
+        for what, part in (("neurons", chosen), ("heads", heads)):
+            if part is not None and hasattr(part, "lookahead_recall"):
+                row[f"{what} recall"], row[f"{what} lookahead recall"] = (
+                    part.recall.item(),
+                    part.lookahead_recall.item(),
+                )
+        rows.append(row)
+    if any(len(row) > 1 for row in rows):
+        columns = [(key, key) for key in max(rows, key=len)]
+        write_json(out_dir / "contextual_recall.json", {"model": model, "selector": selector, "rows": rows})
+        out.print(markdown_table(rows, columns))
+        out.print("recall of the top-k set on the last 10% of the calibration tokens (precision equals it: both "
+                  "sets have k members); lookahead: predicted from the previous layer's input")  # fmt: skip
     out.print(f"{selector} at {sparsity:.0%} for {sum(s is not None for s in selectors)} layers -> {path}")
 
 
@@ -562,6 +591,7 @@ def contextual_eval_command(
     seqlen: int = typer.Option(512, "--seqlen"),
     windows: int = typer.Option(8, "--windows"),
     dense_layers: int = typer.Option(0, "--dense-layers"),
+    head_sparsity: float = HeadSparsityOpt,
     out_dir: Path = typer.Option(Path("results/contextual_eval"), "--out"),
 ) -> None:
     """Perplexity, KL and top-1 agreement against dense, per selector and sparsity (table and plot)."""
@@ -577,9 +607,9 @@ def contextual_eval_command(
     ids = tokenize_long(tokenizer, load_text(text))
     rows = quality_curve(
         loaded, ids, calibration, names, _floats(sparsities), seqlen, windows, dense_layers,
-        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"), head_sparsity=head_sparsity,
     )  # fmt: skip
-    columns = [(k, k) for k in ("selector", "sparsity", "kept", "read", "ppl", "kl", "top1")]
+    columns = [(k, k) for k in ("selector", "sparsity", "kept", "heads", "read", "ppl", "kl", "top1")]
     write_json(out_dir / "contextual_eval.json", {"model": model, "text": text, "seqlen": seqlen, "rows": rows})
     write_text(out_dir / "contextual_eval.md", markdown_table(rows, columns))
     dense = rows[0]["ppl"]
@@ -603,6 +633,9 @@ def bench_contextual_command(
     compile: str = typer.Option(
         "never", "--compile", help="never (eager) or always: dense and sparse run the fast decode path in this mode."
     ),
+    head_sparsities: str = typer.Option(
+        "0", "--head-sparsities", help="Shares of attention heads skipped per token (a head predictor; not with teal)."
+    ),
     out_dir: Path = typer.Option(Path("results/bench_contextual"), "--out"),
 ) -> None:
     """Decode ms/token of contextual sparsity vs dense, side by side, with the bytes-per-step bound."""
@@ -616,6 +649,7 @@ def bench_contextual_command(
         context,
         tokens,
         compile=compile,
+        head_sparsities=tuple(_floats(head_sparsities)),
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
     )

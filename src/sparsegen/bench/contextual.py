@@ -20,8 +20,10 @@ from sparsegen.report import markdown_table
 COLUMNS = [
     ("selector", "selector"),
     ("sparsity", "sparsity"),
+    ("head_sparsity", "head sparsity"),
     ("batch", "batch"),
     ("kept", "neurons kept"),
+    ("heads", "heads kept"),
     ("read", "layer weights read"),
     ("ms", "ms/token"),
     ("speedup", "vs dense"),
@@ -38,11 +40,11 @@ def _decode_ms(model, prompt: torch.Tensor, tokens: int, compile: str, notify) -
     return generate(model, prompt, tokens, compile=compile, eos_token_id=[], notify=notify).ms_per_step
 
 
-def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float, float]:
-    """The share of MLP neurons a decode step of the rows of `prompt` computes, the bytes it reads
+def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float, float, float]:
+    """The shares of MLP neurons and attention heads a decode step of the rows of `prompt` computes, the bytes it reads
     (the embedding table once, for the tied lm_head; the decoder layers' weights as their selectors
     read them; the KV), and the share of the decoder layers' weights read."""
-    from sparsegen.contextual.apply import layer_kept_shares, read_bytes
+    from sparsegen.contextual.apply import KeptShares, layer_kept_shares, read_bytes
     from sparsegen.prune.pipeline import decoder_layers
 
     size = next(model.parameters()).element_size()
@@ -55,7 +57,7 @@ def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float
     config = model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * getattr(config, "head_dim", 64) * size
     step = outside + layer_read + kv * context * prompt.shape[0]
-    return sum(shares) / len(shares), step, layer_read / layer_total
+    return KeptShares.mean(shares.neurons), KeptShares.mean(shares.heads), step, layer_read / layer_total
 
 
 def bench_contextual(
@@ -68,10 +70,12 @@ def bench_contextual(
     rounds: int = 2,
     compile: str = "never",
     calib_text: str = "shakespeare",
+    head_sparsities: tuple[float, ...] = (0.0,),
     out: Path = Path("results/bench_contextual"),
     progress: Callable[[str], None] = print,
 ) -> list[dict]:
     from sparsegen.contextual import densify, install, sparsify
+    from sparsegen.contextual.apply import installed_heads
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.models import load
 
@@ -79,7 +83,7 @@ def bench_contextual(
     text = load_text(calib_text)
     calibration = calibration_samples(tokenizer, text, 8, 256, seed=0)
     bandwidth = read_bandwidth_gbs()
-    configs = [("dense", 0.0)] + [(s, p) for s in selectors for p in sparsities]
+    configs = [("dense", 0.0, 0.0)] + [(s, p, h) for s in selectors for p in sparsities for h in head_sparsities]
     installed: dict = {}
     timings: dict = {}
     kept: dict = {}
@@ -87,14 +91,17 @@ def bench_contextual(
         prompt = calibration_samples(tokenizer, text, batch, context, seed=1)
         for round_ in range(rounds):
             for config in configs:
-                selector, sparsity = config
-                progress(f"batch {batch}, round {round_ + 1}: {selector} {sparsity:.0%}")
+                selector, sparsity, heads = config
+                progress(f"batch {batch}, round {round_ + 1}: {selector} {sparsity:.0%}, heads {heads:.0%}")
                 densify(model)
                 if selector != "dense":
                     if config not in installed:
-                        installed[config] = sparsify(model, selector, sparsity, calibration, progress=False)
+                        selectors = sparsify(
+                            model, selector, sparsity, calibration, head_sparsity=heads, progress=False
+                        )
+                        installed[config] = (selectors, installed_heads(model))
                     else:
-                        install(model, installed[config])
+                        install(model, *installed[config])
                 ms = _decode_ms(model, prompt, tokens, compile, lambda message: progress(f"  {message}"))
                 timings.setdefault((config, batch), []).append(ms)
                 if (config, batch) not in kept:
@@ -102,13 +109,14 @@ def bench_contextual(
     densify(model)
     rows = []
     for batch in batches:
-        dense_ms = min(timings[(("dense", 0.0), batch)])
+        dense_ms = min(timings[(configs[0], batch)])
         for config in configs:
-            selector, sparsity = config
+            selector, sparsity, head_sparsity = config
             ms = min(timings[(config, batch)])
-            share, step_bytes, read = kept[config, batch]
+            share, heads, step_bytes, read = kept[config, batch]
             rows.append({
-                "selector": selector, "sparsity": sparsity, "batch": batch, "kept": share, "read": read, "ms": ms,
+                "selector": selector, "sparsity": sparsity, "head_sparsity": head_sparsity, "batch": batch,
+                "kept": share, "heads": heads, "read": read, "ms": ms,
                 "speedup": dense_ms / ms, "mb": step_bytes / 1e6, "bound": step_bytes / (bandwidth * 1e9) / (ms / 1e3),
             })  # fmt: skip
     meta = run_meta(

@@ -70,11 +70,13 @@ def mlp_activations(parts: MLPParts, x: torch.Tensor) -> tuple[torch.Tensor, tor
 @dataclass
 class LayerStats:
     """Calibration statistics of one MLP over a sample of tokens: its inputs [tokens, hidden_size],
-    activated gates (pre-down activations for plain MLPs) and h, the input of down [tokens, neurons]."""
+    activated gates (pre-down activations for plain MLPs), h, the input of down [tokens, neurons],
+    and, when lookahead is measured, the previous layer's MLP inputs for the same tokens (else None)."""
 
     inputs: torch.Tensor
     gate_act: torch.Tensor
     hidden: torch.Tensor
+    previous: torch.Tensor | None = None
 
 
 class Selector(ABC):
@@ -88,9 +90,7 @@ class Selector(ABC):
     needs_hidden: ClassVar[bool] = False
 
     def __init__(self, sparsity: float) -> None:
-        if not 0 <= sparsity < 1:
-            raise SparsegenError(f"sparsity must be in [0, 1), got {sparsity}")
-        self.sparsity = sparsity
+        self.sparsity = checked_sparsity(sparsity)
 
     def calibrate(self, stats: LayerStats) -> None:
         """Set the layer's settings from calibration statistics (default: nothing to set)."""
@@ -115,6 +115,12 @@ class Selector(ABC):
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
+
+
+def checked_sparsity(sparsity: float, what: str = "sparsity") -> float:
+    if not 0 <= sparsity < 1:
+        raise SparsegenError(f"{what} must be in [0, 1), got {sparsity}")
+    return sparsity
 
 
 def make_selector(name: str, sparsity: float, **options) -> Selector:

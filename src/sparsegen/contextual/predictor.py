@@ -3,17 +3,66 @@ tokens to tell from the MLP's input which neurons will matter; each token keeps 
 
 Labels are each token's top-k neurons by |h| (SwiGLU has no exact zeros, so "mattered" means the
 largest contributions, the oracle's choice); the loss is binary cross-entropy. Recall of the
-oracle's set on held-out calibration tokens is kept per layer. The predictor reads the MLP's own
-input, not the previous layer's (no lookahead: on a CPU, which runs layers in order, lookahead
-buys no overlap).
+oracle's set on held-out calibration tokens is kept per layer (precision equals it: both sets have
+k members), and so is the recall of a lookahead predictor trained on the previous layer's input.
+Execution reads the layer's own input: on a CPU, which runs layers in order, lookahead buys no
+overlap, only a loss of recall.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from sparsegen.contextual.base import LayerStats, Selector, register_selector
+
+
+@dataclass
+class LowRank:
+    """scores = x @ down @ up: a two-layer network without a nonlinearity, as in Deja Vu."""
+
+    down: torch.Tensor  # [inputs, rank]
+    up: torch.Tensor  # [rank, outputs]
+
+    def top(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Boolean mask [t, outputs] of each row's k highest scores."""
+        scores = x.float() @ self.down @ self.up
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+
+
+def top_k_labels(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """1.0 where an entry is among its row's k largest, else 0.0."""
+    labels = torch.zeros_like(magnitude, dtype=torch.float32)
+    return labels.scatter_(-1, magnitude.float().topk(k, dim=-1).indices, 1.0)
+
+
+def fit_low_rank(
+    inputs: torch.Tensor, labels: torch.Tensor, rank: int, steps: int, lr: float, seed: int
+) -> tuple[LowRank, float]:
+    """Train on the first 90% of the tokens with weighted BCE; returns the predictor and its recall
+    of the labelled top-k on the last 10%."""
+    inputs = inputs.float()
+    split = max(1, int(0.9 * len(inputs)))
+    generator = torch.Generator().manual_seed(seed)
+    width, outputs = inputs.shape[1], labels.shape[1]
+    down = (torch.randn(width, rank, generator=generator) / width**0.5).requires_grad_()
+    up = (torch.randn(rank, outputs, generator=generator) / rank**0.5).requires_grad_()
+    optimizer = torch.optim.Adam([down, up], lr=lr)
+    positive = labels[:split].mean()
+    weight = (1 - positive) / positive  # rare positives weigh as much as the many negatives
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = F.binary_cross_entropy_with_logits(inputs[:split] @ down @ up, labels[:split], pos_weight=weight)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    predictor = LowRank(down.detach(), up.detach())
+    held_out = slice(split, None) if split < len(inputs) else slice(None)
+    truth = labels[held_out].bool()
+    chosen = predictor.top(inputs[held_out], int(labels[0].sum().item()))
+    return predictor, ((chosen & truth).sum() / truth.sum()).item()
 
 
 @register_selector
@@ -27,46 +76,25 @@ class PredictorSelector(Selector):
         self.rank, self.steps, self.lr, self.seed = rank, steps, lr, seed
         self.down: torch.Tensor | None = None  # [hidden_size, rank]
         self.up: torch.Tensor | None = None  # [rank, neurons]
-        self.recall = torch.tensor(float("nan"))
+        self.recall = self.lookahead_recall = torch.tensor(float("nan"))
 
     def _k(self, neurons: int) -> int:
         return max(1, round((1 - self.sparsity) * neurons))
 
-    def _labels(self, hidden: torch.Tensor) -> torch.Tensor:
-        k = self._k(hidden.shape[-1])
-        labels = torch.zeros_like(hidden, dtype=torch.float32)
-        return labels.scatter_(-1, hidden.float().abs().topk(k, dim=-1).indices, 1.0)
-
     def calibrate(self, stats: LayerStats) -> None:
         if self.sparsity == 0:  # every neuron kept: nothing to predict
             self.down, self.up = torch.zeros(stats.inputs.shape[1], 1), torch.zeros(1, stats.hidden.shape[1])
-            self.recall = torch.tensor(1.0)
+            self.recall = self.lookahead_recall = torch.tensor(1.0)
             return
-        inputs, labels = stats.inputs.float(), self._labels(stats.hidden)
-        split = max(1, int(0.9 * len(inputs)))
-        generator = torch.Generator().manual_seed(self.seed)
-        hidden_size, neurons = inputs.shape[1], labels.shape[1]
-        down = (torch.randn(hidden_size, self.rank, generator=generator) / hidden_size**0.5).requires_grad_()
-        up = (torch.randn(self.rank, neurons, generator=generator) / self.rank**0.5).requires_grad_()
-        optimizer = torch.optim.Adam([down, up], lr=self.lr)
-        positive = labels[:split].mean()
-        weight = (1 - positive) / positive  # rare positives weigh as much as the many negatives
-        with torch.enable_grad():
-            for _ in range(self.steps):
-                logits = inputs[:split] @ down @ up
-                loss = F.binary_cross_entropy_with_logits(logits, labels[:split], pos_weight=weight)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-        self.down, self.up = down.detach(), up.detach()
-        held_out = slice(split, None) if split < len(inputs) else slice(None)
-        chosen = self.keep(inputs[held_out], None, None)
-        self.recall = (chosen & labels[held_out].bool()).sum() / labels[held_out].sum()
+        labels = top_k_labels(stats.hidden.abs(), self._k(stats.hidden.shape[1]))
+        settings = (self.rank, self.steps, self.lr, self.seed)
+        own, recall = fit_low_rank(stats.inputs, labels, *settings)
+        self.down, self.up, self.recall = own.down, own.up, torch.tensor(recall)
+        if stats.previous is not None:
+            self.lookahead_recall = torch.tensor(fit_low_rank(stats.previous, labels, *settings)[1])
 
     def keep(self, x, gate_act, hidden):
-        scores = x.float() @ self.down @ self.up
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-        return mask.scatter_(-1, scores.topk(self._k(scores.shape[-1]), dim=-1).indices, True)
+        return LowRank(self.down, self.up).top(x, self._k(self.up.shape[1]))
 
     def state(self):
-        return {"down": self.down, "up": self.up, "recall": self.recall}
+        return {"down": self.down, "up": self.up, "recall": self.recall, "lookahead_recall": self.lookahead_recall}
