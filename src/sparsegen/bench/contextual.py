@@ -41,10 +41,10 @@ def _decode_ms(model, prompt: torch.Tensor, tokens: int, compile: str, notify) -
 
 
 def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float, float, float]:
-    """The shares of MLP neurons and attention heads a decode step of the rows of `prompt` computes, the bytes it reads
-    (the embedding table once, for the tied lm_head; the decoder layers' weights as their selectors
-    read them; the KV), and the share of the decoder layers' weights read."""
-    from sparsegen.contextual.apply import KeptShares, layer_kept_shares, read_bytes
+    """The shares of MLP neurons and attention heads a decode step of the rows of `prompt` computes,
+    the bytes it reads (the embedding table once, for the tied lm_head; the decoder layers' weights
+    as their selectors read them; the KV), and the share of the decoder layers' weights read."""
+    from sparsegen.contextual.apply import layer_kept_shares, read_bytes
     from sparsegen.prune.pipeline import decoder_layers
 
     size = next(model.parameters()).element_size()
@@ -57,7 +57,7 @@ def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float
     config = model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * getattr(config, "head_dim", 64) * size
     step = outside + layer_read + kv * context * prompt.shape[0]
-    return KeptShares.mean(shares.neurons), KeptShares.mean(shares.heads), step, layer_read / layer_total
+    return shares.mean_neurons, shares.mean_heads, step, layer_read / layer_total
 
 
 def bench_contextual(

@@ -191,9 +191,13 @@ class KeptShares:
     neurons: list[float]
     heads: list[float]
 
-    @staticmethod
-    def mean(shares: list[float]) -> float:
-        return sum(shares) / len(shares)
+    @property
+    def mean_neurons(self) -> float:
+        return sum(self.neurons) / len(self.neurons)
+
+    @property
+    def mean_heads(self) -> float:
+        return sum(self.heads) / len(self.heads)
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ def quality_curve(
     for selector in selectors:
         for sparsity in sparsities:
             progress(f"{selector} at {sparsity:.0%}")
-            sparsify(model, selector, sparsity, calibration, dense_layers, False, head_sparsity)
+            sparsify(model, selector, sparsity, calibration, dense_layers, progress=False, head_sparsity=head_sparsity)
             shares = layer_kept_shares(model, chunks[0])
             read, total = read_bytes(model, chunks[0], shares)
             logprobs = [model(chunk, use_cache=False).logits[0, :-1].float().log_softmax(-1) for chunk in chunks]
@@ -57,8 +57,8 @@ def _row(selector, sparsity, logprobs, reference, chunks, shares: KeptShares, re
     return {
         "selector": selector,
         "sparsity": sparsity,
-        "kept": KeptShares.mean(shares.neurons),
-        "heads": KeptShares.mean(shares.heads),
+        "kept": shares.mean_neurons,
+        "heads": shares.mean_heads,
         "read": read,
         "ppl": math.exp(nll / count),
         "kl": kl / count,
