@@ -17,7 +17,7 @@ from sparsegen.contextual.apply import (
 )
 from sparsegen.contextual.base import mlp_parts
 from sparsegen.contextual.heads import SparseAttention
-from sparsegen.contextual.teal import InputSparseLinear
+from sparsegen.contextual.input_sparse import InputSparseLinear
 from sparsegen.errors import SparsegenError
 from sparsegen.prune import decoder_layers
 from tests.conftest import build_tiny
@@ -67,16 +67,22 @@ def test_teal_reads_only_the_kept_inputs_rows_and_equals_the_masked_dense_layer(
     model = build_tiny(arch)
     sparsify(model, "teal", 0.4, progress=False)
     layer = decoder_layers(model)[1]
-    wrapped = [m for m in layer.modules() if isinstance(m, InputSparseLinear)]
-    assert len(wrapped) == 7  # q, k, v, o, gate, up, down
-    for linear in wrapped:
-        x = torch.randn(rows, 1, linear.original.in_features, generator=torch.Generator().manual_seed(rows))
+    attention, mlp = layer.self_attn.original, layer.mlp.original
+    groups = {  # each InputSparseLinear and the dense Linears it stands for, side by side
+        layer.self_attn.qkv: [attention.q_proj, attention.k_proj, attention.v_proj],
+        layer.self_attn.o: [attention.o_proj],
+        layer.mlp.gate_up: [mlp.gate_proj, mlp.up_proj],
+        layer.mlp.down: [mlp.down_proj],
+    }
+    for sparse, linears in groups.items():
+        x = torch.randn(rows, 1, sparse.in_features, generator=torch.Generator().manual_seed(rows))
         flat = x[:, 0]
-        top = flat.abs().topk(linear.keep, dim=-1).indices
+        top = flat.abs().topk(sparse.keep, dim=-1).indices
         masked = torch.zeros_like(flat).scatter_(1, top, flat.gather(1, top))
         assert 0 < (masked == 0).float().mean() < 1
         with torch.no_grad():
-            torch.testing.assert_close(linear(x)[:, 0], linear.original(masked), rtol=1e-5, atol=1e-5)
+            expected = torch.cat([linear(masked) for linear in linears], -1)
+            torch.testing.assert_close(sparse(x)[:, 0], expected, rtol=1e-5, atol=1e-5)
     read, total = read_bytes(model, _ids(1, 8))
     assert read / total == pytest.approx(0.6, abs=0.03)  # the split keeps the layers' skipped share at 40%
 

@@ -18,9 +18,8 @@ from tqdm.auto import tqdm
 
 from sparsegen.contextual.base import LayerStats, Selector, checked_sparsity, make_selector, mlp_activations, mlp_parts
 from sparsegen.contextual.heads import HeadPredictor, SparseAttention, head_part_norms
+from sparsegen.contextual.input_sparse import InputSparseAttention, InputSparseLinear, InputSparseMLP
 from sparsegen.contextual.mlp import SparseMLP
-from sparsegen.contextual.teal import InputSparseLinear
-from sparsegen.contextual.teal import uninstall as uninstall_inputs
 from sparsegen.errors import SparsegenError
 from sparsegen.prune.pipeline import decoder_layers
 
@@ -252,41 +251,42 @@ def read_bytes(model: nn.Module, ids: torch.Tensor, shares: KeptShares | None = 
     shares = layer_kept_shares(model, ids) if shares is None else shares
     read = total = 0.0
 
-    def count(linear: nn.Linear, share: float) -> None:
+    def count(weight: torch.Tensor, share: float) -> None:
         nonlocal read, total
-        size = linear.weight.numel() * linear.weight.element_size()
+        size = weight.numel() * weight.element_size()
         read, total = read + size * share, total + size
 
+    wrapper_types = SparseMLP | SparseAttention | InputSparseAttention | InputSparseMLP
     for layer, share, head_share in zip(decoder_layers(model), shares.neurons, shares.heads, strict=True):
-        wrappers = [m for m in layer.modules() if isinstance(m, SparseMLP | SparseAttention | InputSparseLinear)]
-        inside = {id(m) for wrapper in wrappers for m in wrapper.modules() if m is not wrapper}  # counted there
+        wrappers = [m for m in layer.modules() if isinstance(m, wrapper_types)]
+        inside = {id(m) for wrapper in wrappers for m in wrapper.original.modules()}  # counted by the wrapper
         for module in layer.modules():
             if isinstance(module, SparseMLP):
                 for name, linear in (("gate", module.parts.gate), ("up", module.parts.up), ("down", module.parts.down)):
                     if linear is not None:
                         whole = module.selector.needs_hidden or name == "gate" and module.selector.needs_gate
-                        count(linear, 1.0 if whole else share)
+                        count(linear.weight, 1.0 if whole else share)
             elif isinstance(module, SparseAttention):
                 for name, part in module.read_share(head_share, ids.shape[0]).items():
-                    count(getattr(module.original, name), part)
+                    count(getattr(module.original, name).weight, part)
             elif isinstance(module, InputSparseLinear):
-                count(module.original, module.read_share if ids.shape[0] == 1 else 1.0)
+                count(module.weight_t, module.read_share if ids.shape[0] == 1 else 1.0)
             elif isinstance(module, nn.Linear) and id(module) not in inside:
-                count(module, 1.0)
+                count(module.weight, 1.0)
     return read, total
 
 
 def densify(model: nn.Module) -> None:
-    """Put the original MLPs, attention modules and projections back."""
+    """Put the original MLPs and attention modules back."""
     for layer in decoder_layers(model):
-        if isinstance(layer.self_attn, SparseAttention):
-            layer.self_attn = layer.self_attn.original
-        uninstall_inputs(layer)
+        layer.self_attn = _dense(layer.self_attn)
         layer.mlp = _dense(layer.mlp)
 
 
-def _dense(mlp: nn.Module) -> nn.Module:
-    return mlp.original if isinstance(mlp, SparseMLP) else mlp
+def _dense(module: nn.Module) -> nn.Module:
+    """The module a sparse wrapper replaced (the module itself when it is not one)."""
+    wrapped = isinstance(module, SparseMLP | SparseAttention | InputSparseAttention | InputSparseMLP)
+    return module.original if wrapped else module
 
 
 def _shape(model: nn.Module) -> dict:

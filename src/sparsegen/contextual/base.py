@@ -42,20 +42,15 @@ class MLPParts:
 def mlp_parts(mlp: nn.Module) -> MLPParts:
     """The MLP's projections: gate_proj/up_proj/down_proj/act_fn (gated), up_proj/down_proj or fc1/fc2."""
     act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None) or getattr(mlp, "act", None)
-    up = _unwrapped(getattr(mlp, "up_proj", None) or getattr(mlp, "fc1", None))
-    down = _unwrapped(getattr(mlp, "down_proj", None) or getattr(mlp, "fc2", None))
+    up = getattr(mlp, "up_proj", None) or getattr(mlp, "fc1", None)
+    down = getattr(mlp, "down_proj", None) or getattr(mlp, "fc2", None)
     if not (isinstance(up, nn.Linear) and isinstance(down, nn.Linear) and act is not None):
         raise SparsegenError(
             f"{type(mlp).__name__} is neither a gated MLP (gate_proj, up_proj, down_proj, act_fn) nor a plain "
             "ReLU/GELU MLP (up_proj/fc1, down_proj/fc2 and an activation): contextual sparsity cannot select "
             "its neurons"
         )
-    return MLPParts(_unwrapped(getattr(mlp, "gate_proj", None)), up, down, act)
-
-
-def _unwrapped(module: nn.Module | None) -> nn.Module | None:
-    """The Linear itself, also when a sparse wrapper holds it as `original`."""
-    return module.original if isinstance(getattr(module, "original", None), nn.Linear) else module
+    return MLPParts(getattr(mlp, "gate_proj", None), up, down, act)
 
 
 def mlp_activations(parts: MLPParts, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,14 +16,11 @@ A decode step of several rows runs the union of their heads.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from sparsegen.contextual.attention import attend, rotary
 from sparsegen.contextual.base import checked_sparsity
 from sparsegen.contextual.predictor import LowRank, fit_low_rank, top_k_labels
 from sparsegen.errors import SparsegenError
@@ -88,7 +85,7 @@ class SparseAttention(nn.Module):
         self.original, self.predictor = attention, predictor
         self.heads = attention.config.num_attention_heads
         self.head_dim = attention.head_dim
-        self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        self.rotate = rotary(attention)
         self.register_buffer("o_t", attention.o_proj.weight.detach().t().contiguous(), persistent=False)
         rows = torch.arange(self.heads * self.head_dim).view(self.heads, self.head_dim)
         self.register_buffer("head_rows", rows, persistent=False)
@@ -106,15 +103,9 @@ class SparseAttention(nn.Module):
         query = self._query(hidden_states, keep, index).transpose(1, 2)
         key = attn.k_proj(hidden_states).view(*shape, -1, self.head_dim).transpose(1, 2)
         value = attn.v_proj(hidden_states).view(*shape, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            query, key = attn.q_norm(query), attn.k_norm(key)
-        query, key = self.rotate(query, key, *position_embeddings)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, attn.layer_idx)
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-        window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))  # Mistral: config
-        kwargs.setdefault("sliding_window", window)
-        out, weights = interface(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        out, weights = attend(
+            attn, self.rotate, query, key, value, position_embeddings, attention_mask, past_key_values, **kwargs
+        )
         return self._output(out, keep, index), weights
 
     def _query(self, x: torch.Tensor, keep: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""Input sparsity in execution: a block whose projections read, per token, only the weight rows of
+their largest inputs (TEAL).
+
+Projections that read the same input share one selection and one gather: q, k and v are one
+`InputSparseLinear`, gate and up another, so a kept input is one contiguous row of all their
+weights side by side (measured on the Xeon host: 19.2 ms against 25.3 ms for the seven projections
+gathered one by one, 30 layers of SmolLM2 at 75% kept). The weights are stored transposed and
+`embedding_bag` sums the kept rows, in two bags that split the kept rows between the two cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsegen.contextual.attention import attend, rotary
+from sparsegen.contextual.base import MLPParts, Selector
+
+
+class InputSparseLinear(nn.Module):
+    """Linears over one input, as one: zeroes all but the `keep` largest |x| of each input row and
+    returns their outputs side by side. One row (a decode step) reads only the kept inputs' weight
+    rows; more rows run the dense product of the masked input, which is the same arithmetic."""
+
+    def __init__(self, linears: Sequence[nn.Linear], sparsity: float) -> None:
+        super().__init__()
+        self.linears = tuple(linears)  # registered in the wrapped module already; here for the dense case
+        self.in_features = linears[0].in_features
+        self.splits = [linear.out_features for linear in linears]
+        self.keep = min(self.in_features, max(1, round((1 - sparsity) * self.in_features)))
+        weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
+        self.register_buffer("weight_t", weight_t, persistent=False)  # [in, sum of outs]
+        biases = [linear.bias for linear in linears]
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat(
+                [
+                    b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
+                    for b, linear in zip(biases, linears, strict=True)
+                ]
+            )
+        )
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("bags", torch.tensor([0, self.keep // 2]), persistent=False)
+
+    @property
+    def read_share(self) -> float:
+        """Share of the weights one decode step reads."""
+        return self.keep / self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.keep == self.in_features:  # the original arithmetic, so that all kept equals dense exactly
+            return torch.cat([linear(x) for linear in self.linears], -1)
+        if rows.shape[0] == 1:
+            top = rows[0].abs().topk(self.keep).indices
+            out = F.embedding_bag(top, self.weight_t, self.bags, per_sample_weights=rows[0, top], mode="sum")
+            out = out.sum(0, keepdim=True)
+        else:
+            top = rows.abs().topk(self.keep, dim=-1).indices
+            out = torch.zeros_like(rows).scatter_(1, top, rows.gather(1, top)) @ self.weight_t
+        out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], -1)
+
+
+class InputSparseAttention(nn.Module):
+    """A layer's attention with input-sparse q/k/v (one selection) and o projections."""
+
+    def __init__(self, attention: nn.Module, qkv_sparsity: float, o_sparsity: float) -> None:
+        super().__init__()
+        self.original = attention
+        self.qkv = InputSparseLinear([attention.q_proj, attention.k_proj, attention.v_proj], qkv_sparsity)
+        self.o = InputSparseLinear([attention.o_proj], o_sparsity)
+        self.rotate = rotary(attention)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        attn, shape = self.original, hidden_states.shape[:-1]
+        query, key, value = (
+            part.view(*shape, -1, attn.head_dim).transpose(1, 2)
+            for part in self.qkv(hidden_states).split(self.qkv.splits, -1)
+        )
+        out, weights = attend(
+            attn, self.rotate, query, key, value, position_embeddings, attention_mask, past_key_values, **kwargs
+        )
+        return self.o(out.reshape(*shape, -1)), weights
+
+
+class InputSparseMLP(nn.Module):
+    """An MLP with input-sparse gate and up (one selection) and down projections."""
+
+    def __init__(self, mlp: nn.Module, parts: MLPParts, selector: Selector, in_sparsity: float, h_sparsity: float):
+        super().__init__()
+        self.original, self.selector, self.act, self.gated = mlp, selector, parts.act, parts.gate is not None
+        self.gate_up = InputSparseLinear([parts.gate, parts.up] if self.gated else [parts.up], in_sparsity)
+        self.down = InputSparseLinear([parts.down], h_sparsity)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down(self.act(self.gate_up(x)))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
