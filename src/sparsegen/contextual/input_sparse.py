@@ -61,7 +61,7 @@ class InputSparseLinear(nn.Module):
             out = F.embedding_bag(top, self.weight_t, self.bags, per_sample_weights=rows[0, top], mode="sum")
             out = out.sum(0, keepdim=True)
         else:
-            top = rows.abs().topk(self.keep, dim=-1).indices
+            top = rows.abs().topk(self.keep, dim=-1, sorted=False).indices
             out = torch.zeros_like(rows).scatter_(1, top, rows.gather(1, top)) @ self.weight_t
         out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], -1)
