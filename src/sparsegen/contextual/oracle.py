@@ -19,4 +19,4 @@ class OracleSelector(Selector):
     def keep(self, x, gate_act, hidden):
         k = round((1 - self.sparsity) * hidden.shape[-1])
         mask = torch.zeros_like(hidden, dtype=torch.bool)
-        return mask.scatter_(-1, hidden.abs().topk(k, dim=-1).indices, True)
+        return mask.scatter_(-1, hidden.abs().topk(k, dim=-1, sorted=False).indices, True)

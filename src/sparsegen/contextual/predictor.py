@@ -29,13 +29,14 @@ class LowRank:
     def top(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Boolean mask [t, outputs] of each row's k highest scores."""
         scores = x.float() @ self.down @ self.up
-        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+        top = scores.topk(k, dim=-1, sorted=False).indices
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
 
 
 def top_k_labels(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """1.0 where an entry is among its row's k largest, else 0.0."""
     labels = torch.zeros_like(magnitude, dtype=torch.float32)
-    return labels.scatter_(-1, magnitude.float().topk(k, dim=-1).indices, 1.0)
+    return labels.scatter_(-1, magnitude.float().topk(k, dim=-1, sorted=False).indices, 1.0)
 
 
 def fit_low_rank(

@@ -36,7 +36,7 @@ class TealSelector(Selector):
     def keep(self, x, gate_act, hidden):
         """The down projection's choice: each token's top-k |h|."""
         mask = torch.zeros_like(hidden, dtype=torch.bool)
-        return mask.scatter_(-1, hidden.abs().topk(self.down_keep, dim=-1).indices, True)
+        return mask.scatter_(-1, hidden.abs().topk(self.down_keep, dim=-1, sorted=False).indices, True)
 
     def install(self, layer: nn.Module) -> None:
         shares = self.shares(layer)
