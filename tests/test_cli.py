@@ -169,6 +169,18 @@ def test_bench_kv_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_text, t
     assert (tmp_path / "bench_kv.png").exists() and "recompute / streaming" in out
 
 
+def test_bench_gather_measures_each_kept_share_and_refuses_bad_shares(monkeypatch, capsys, tiny_folder, tmp_path):
+    args = ("bench", "gather", "--model", tiny_folder, "--passes", "1", "--out", tmp_path)
+    code, out, _ = run_cli(monkeypatch, capsys, *args, "--kept", "1,0.5")
+    assert code == 0
+    data = json.loads((tmp_path / "bench_gather.json").read_text())
+    assert [r["kept"] for r in data["rows"]] == [1.0, 0.5]
+    assert all(r["dense_ms"] > 0 and r["gather_ms"] > 0 and r["rate"] > 0 for r in data["rows"])
+    assert "kept-row rate / dense rate" in out and "threads" in data["meta"]["machine"]
+    code, _, err = run_cli(monkeypatch, capsys, *args, "--kept", "0.5,1.5")
+    assert code != 0 and "--kept takes shares in (0, 1]" in err
+
+
 @pytest.mark.parametrize("method,pattern", [("wanda", "2:4"), ("sparsegpt", "unstructured"), ("magnitude", "4:8")])
 def test_prune_writes_a_checkpoint_transformers_loads(
     monkeypatch, capsys, tiny_folder, tiny_text, tmp_path, method, pattern

@@ -622,6 +622,25 @@ def contextual_eval_command(
     out.print(markdown_table(rows, columns))
 
 
+@bench_app.command("gather")
+def bench_gather_command(
+    model: str = ModelOpt,
+    kept: str = typer.Option("1,0.75,0.5,0.25", "--kept", help="Shares of each projection's inputs kept."),
+    passes: int = typer.Option(20, "--passes", min=1),
+    out_dir: Path = typer.Option(Path("results/bench_gather"), "--out"),
+) -> None:
+    """How fast this machine reads the weight rows of kept inputs (TEAL's gather) against the dense
+    product, on the model's own projections: whether contextual sparsity can pay here."""
+    from sparsegen.bench.gather import COLUMNS, bench_gather
+    from sparsegen.report import markdown_table
+
+    shares = _floats(kept)
+    if not all(0 < share <= 1 for share in shares):
+        raise SparsegenError(f"--kept takes shares in (0, 1], got {kept!r}")
+    rows = bench_gather(model, tuple(shares), passes, out=out_dir, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
+    out.print(markdown_table(rows, COLUMNS))
+
+
 @bench_app.command("contextual")
 def bench_contextual_command(
     model: str = ModelOpt,

@@ -52,9 +52,19 @@ def run_meta(**fields) -> dict:
     return {
         **fields,
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()}, {platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (hosts of one machine kind differ, and so do their speed tables)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown CPU"
 
 
 def read_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:

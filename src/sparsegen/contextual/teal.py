@@ -29,7 +29,10 @@ class TealSelector(Selector):
     def shares(self, layer: nn.Module) -> dict[str, float]:
         """Input sparsity of each group of projections: SPLIT scaled so that the share of the
         layer's weights skipped is `sparsity` (each capped below 1)."""
-        sizes = {group: sum(linear.weight.numel() for linear in linears) for group, linears in _groups(layer).items()}
+        sizes = {
+            group: sum(linear.weight.numel() for linear in linears)
+            for group, linears in projection_groups(layer).items()
+        }
         weighted = sum(SPLIT[group] * size for group, size in sizes.items()) / sum(sizes.values())
         return {group: min(0.95, self.sparsity * SPLIT[group] / weighted) for group in sizes}
 
@@ -45,7 +48,7 @@ class TealSelector(Selector):
         self.down_keep = layer.mlp.down.keep
 
 
-def _groups(layer: nn.Module) -> dict[str, list[nn.Linear]]:
+def projection_groups(layer: nn.Module) -> dict[str, list[nn.Linear]]:
     """A decoder layer's projections, grouped by the input they read."""
     attention = getattr(layer, "self_attn", None)
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
