@@ -33,17 +33,8 @@ class InputSparseLinear(nn.Module):
         self.keep = min(self.in_features, max(1, round((1 - sparsity) * self.in_features)))
         weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
         self.register_buffer("weight_t", weight_t, persistent=False)  # [in, sum of outs]
-        biases = [linear.bias for linear in linears]
-        bias = (
-            None
-            if all(b is None for b in biases)
-            else torch.cat(
-                [
-                    b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
-                    for b, linear in zip(biases, linears, strict=True)
-                ]
-            )
-        )
+        has_bias = any(linear.bias is not None for linear in linears)
+        bias = torch.cat([_bias(linear) for linear in linears]) if has_bias else None
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("bags", torch.tensor([0, self.keep // 2]), persistent=False)
 
@@ -103,3 +94,7 @@ class InputSparseMLP(nn.Module):
             return self.down(self.act(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor:
+    return linear.bias.detach() if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
