@@ -24,6 +24,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.prune.pipeline import decoder_layers
 
 SELECTORS_FILE = "contextual.safetensors"
+SPARSE_WRAPPERS = (SparseMLP, SparseAttention, InputSparseAttention, InputSparseMLP)  # each holds `original`
 HEADS_PREFIX = "heads."  # a head predictor's tensors: "{layer}.heads.{name}"
 
 
@@ -256,9 +257,8 @@ def read_bytes(model: nn.Module, ids: torch.Tensor, shares: KeptShares | None = 
         size = weight.numel() * weight.element_size()
         read, total = read + size * share, total + size
 
-    wrapper_types = SparseMLP | SparseAttention | InputSparseAttention | InputSparseMLP
     for layer, share, head_share in zip(decoder_layers(model), shares.neurons, shares.heads, strict=True):
-        wrappers = [m for m in layer.modules() if isinstance(m, wrapper_types)]
+        wrappers = [m for m in layer.modules() if isinstance(m, SPARSE_WRAPPERS)]
         inside = {id(m) for wrapper in wrappers for m in wrapper.original.modules()}  # counted by the wrapper
         for module in layer.modules():
             if isinstance(module, SparseMLP):
@@ -285,8 +285,7 @@ def densify(model: nn.Module) -> None:
 
 def _dense(module: nn.Module) -> nn.Module:
     """The module a sparse wrapper replaced (the module itself when it is not one)."""
-    wrapped = isinstance(module, SparseMLP | SparseAttention | InputSparseAttention | InputSparseMLP)
-    return module.original if wrapped else module
+    return module.original if isinstance(module, SPARSE_WRAPPERS) else module
 
 
 def _shape(model: nn.Module) -> dict:

@@ -79,7 +79,7 @@ class SparseAttention(nn.Module):
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         if not all(type(getattr(attention, name, None)) is nn.Linear for name in names):
             raise SparsegenError(
-                f"{type(attention).__name__} has no plain q_proj/k_proj/v_proj/o_proj Linears (teal wraps them): "
+                f"{type(attention).__name__} has no plain q_proj/k_proj/v_proj/o_proj Linears (teal replaces them): "
                 "head sparsity needs them; use a neuron selector other than teal"
             )
         self.original, self.predictor = attention, predictor

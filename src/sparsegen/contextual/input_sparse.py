@@ -43,14 +43,16 @@ class InputSparseLinear(nn.Module):
         """Share of the weights one decode step reads."""
         return self.keep / self.in_features
 
+    def gathered(self, row: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """The two bags' sums [2, outs] of the kept inputs' weight rows, weighted by their values."""
+        return F.embedding_bag(top, self.weight_t, self.bags, per_sample_weights=row[top], mode="sum")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.keep == self.in_features:  # the original arithmetic, so that all kept equals dense exactly
             return torch.cat([linear(x) for linear in self.linears], -1)
         if rows.shape[0] == 1:
-            top = rows[0].abs().topk(self.keep, sorted=False).indices
-            out = F.embedding_bag(top, self.weight_t, self.bags, per_sample_weights=rows[0, top], mode="sum")
-            out = out.sum(0, keepdim=True)
+            out = self.gathered(rows[0], rows[0].abs().topk(self.keep, sorted=False).indices).sum(0, keepdim=True)
         else:
             top = rows.abs().topk(self.keep, dim=-1, sorted=False).indices
             out = torch.zeros_like(rows).scatter_(1, top, rows.gather(1, top)) @ self.weight_t
