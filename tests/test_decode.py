@@ -130,6 +130,21 @@ def test_short_generations_and_missing_compilers_run_eager_and_say_so(monkeypatc
     assert said == ["decoding eagerly: no C++ compiler found for torch.compile"]
 
 
+def test_auto_compiles_only_once_a_generation_has_run_long_enough(monkeypatch):
+    model = build_tiny("llama")
+    ids = _prompt(9)
+    ref = generate(model, ids, 14, compile="never", eos_token_id=[]).tokens
+    monkeypatch.setattr("sparsegen.decode.engine.COMPILE_AFTER", 4)
+    monkeypatch.setattr("sparsegen.decode.engine.COMPILE_PAYS_AFTER", 6)
+    said = []
+    short = generate(model, ids, 9, eos_token_id=[], notify=said.append)
+    assert short.mode == "eager" and said == ["decoding eagerly: 9 new tokens do not pay for compiling the step"]
+    said.clear()
+    long = generate(model, ids, 14, eos_token_id=[], notify=said.append)
+    assert long.mode == "compiled" and long.tokens == ref
+    assert said[-1].startswith("compiled the decode step in") and "after 4 eager steps" in said[-1]
+
+
 def test_a_failing_compiler_falls_back_to_the_eager_step(monkeypatch):
     model = build_tiny("llama")
     ids = _prompt(10)

@@ -11,6 +11,8 @@ import torch
 from conftest import build_tiny, tiny_tokenizer
 from serving import conversation_rss, live_server
 
+from sparsegen.serve.engine import kv_bytes_per_token
+
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}w4 {% else %}w5 {% endif %}{{ m['content'] }} </s> "
     "{% endfor %}{% if add_generation_prompt %}w5 {% endif %}"
@@ -196,7 +198,9 @@ def test_a_prompt_longer_than_the_full_policy_holds_is_refused():
 
 
 def test_held_conversations_stay_under_the_memory_cap_and_come_back_rebuilt():
-    with live_server(_loaded(), "streaming", {"sinks": 2, "recent": 30}, max_kv_bytes=1) as (url, app):
+    loaded = _loaded()
+    room = 16 * kv_bytes_per_token(loaded[0])  # one short request (about 9 tokens), not a held one beside it
+    with live_server(loaded, "streaming", {"sinks": 2, "recent": 30}, max_kv_bytes=room) as (url, app):
         client = _client(url)
         first = [{"role": "user", "content": "w10 w11"}]
         reply = client.chat.completions.create(model="tiny", messages=first, max_tokens=3, temperature=0)
@@ -249,3 +253,95 @@ def test_models_health_and_metrics(server):
         assert name in metrics
     served = json.loads(json.dumps(health))
     assert served["model"] == "tiny"
+
+
+def test_concurrent_greedy_requests_of_mixed_lengths_and_policies_each_get_their_single_request_output():
+    from sparsegen.decode import generate
+
+    loaded = _loaded()
+    model, tokenizer = loaded
+    prompts = [" ".join(f"w{5 + (i * 7 + j) % 90}" for j in range(n)) for i, n in enumerate((3, 11, 40, 7, 25, 60))]
+    policies = [
+        None,
+        {"kv_policy": "h2o", "kv_budget": 0.5},
+        {"kv_policy": "full"},
+        {"kv_policy": "h2o", "kv_budget": 12},
+    ]
+    with live_server(loaded, "streaming", {"sinks": 2, "recent": 16}, prefill_chunk=8) as (url, app):
+        results: dict[int, str] = {}
+
+        def ask(index: int) -> None:
+            extra = policies[index % len(policies)]
+            reply = _client(url).completions.create(
+                model="tiny", prompt=prompts[index], max_tokens=14, temperature=0, extra_body=extra
+            )
+            results[index] = reply.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert app.state.engine.stats()["active"] == 0
+    for index, prompt in enumerate(prompts):
+        extra = policies[index % len(policies)] or {"kv_policy": "streaming"}
+        budget = {"budget": extra["kv_budget"]} if "kv_budget" in extra else {}
+        if extra["kv_policy"] == "streaming":
+            budget = {"sinks": 2, "recent": 16}
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        alone = generate(model, [ids], 14, policy=extra["kv_policy"], compile="never", prefill_chunk=8, **budget)
+        assert results[index] == tokenizer.decode(alone.tokens[0], skip_special_tokens=True), index
+
+
+def test_a_row_joins_and_another_leaves_while_a_long_one_decodes():
+    loaded = _loaded()
+    with live_server(loaded, "streaming", LARGE) as (url, app):
+        engine = app.state.engine
+        body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 200, "temperature": 0, "stream": True}
+        short = {"model": "tiny", "prompt": "w9 w10 w11", "max_tokens": 3, "temperature": 0}
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert sum(1 for line, _ in zip(lines, range(4), strict=False) if line.startswith("data:")) >= 2
+            reply = httpx.post(f"{url}/v1/completions", json=short, timeout=60).json()  # joins, then leaves
+            assert reply["usage"]["completion_tokens"] >= 1
+            assert engine.stats()["active"] == 1  # the long row still decodes
+        deadline = time.monotonic() + 15
+        while engine.stats()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["active"] == 0 and not any(lane.jobs for lane in engine.lanes.values())
+
+
+def test_requests_wait_for_kv_memory_and_past_the_queue_get_429():
+    loaded = _loaded()
+    room = 40 * kv_bytes_per_token(loaded[0])  # one request of 33 slots at a time
+    with live_server(loaded, "streaming", {"sinks": 2, "recent": 30}, max_kv_bytes=room, max_queue=1) as (url, app):
+        long = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 4000, "temperature": 0, "stream": True}
+        short = {"model": "tiny", "prompt": "w7 w8", "max_tokens": 40}  # needs all 33 slots too
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=long) as response:
+            lines = response.iter_lines()  # kept open: closing the iterator would disconnect
+            assert next(line for line in lines if line.startswith("data:"))
+            waiting = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=short, timeout=60))
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while app.state.engine.stats()["queued"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            refused = httpx.post(f"{url}/v1/completions", json=short)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert _error(refused)["code"] == "rate_limit_exceeded"
+        waiting.join(timeout=60)
+        too_big = httpx.post(f"{url}/v1/completions", json={**short, "kv_policy": "full", "max_tokens": 60})
+        assert too_big.status_code == 400 and "--max-kv-mb" in _error(too_big)["message"]
+        bad = httpx.post(f"{url}/v1/completions", json={**short, "kv_policy": "nope"})
+        assert bad.status_code == 400 and _error(bad)["param"] == "kv_policy"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'sparsegen_admitted_total{policy="streaming"}' in metrics and "sparsegen_requests_queued 0.0" in metrics
+
+
+def test_sampling_defaults_come_from_the_generation_config():
+    from sparsegen.serve.engine import sampling_defaults
+
+    model = build_tiny("llama")
+    assert sampling_defaults(model) == {"temperature": 0.0, "top_p": 1.0}
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.3
+    model.generation_config.top_p = 0.9
+    assert sampling_defaults(model) == {"temperature": 0.3, "top_p": 0.9}

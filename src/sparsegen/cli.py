@@ -110,25 +110,21 @@ def generate(
     else:
         encoded = tokenizer(prompt, return_tensors="pt")
     cache_options = dict(position=position, **budget_parts(budget, sinks, recent, heavy))
-    if prompt_file is not None:
+    held = None
+    if prompt_file is not None:  # the soft prompt's KV, read once, is the row's pinned start
         from sparsegen.prompt import SoftPrompt
         from sparsegen.prompt.generate import PromptedModel
 
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {}
-        PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), policy, **cache_options).generate(
-            encoded["input_ids"],
-            max_new_tokens=max_new_tokens,
-            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-            pad_token_id=tokenizer.eos_token_id,
-            **sampling,
-        )
-        return
+        held = [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), policy, **cache_options).cache()]
     from sparsegen.decode import generate as fast_generate
+    from sparsegen.sampling import stop_tokens
 
     result = fast_generate(
         loaded,
         encoded["input_ids"],
         max_new_tokens,
+        held=held,
+        eos_token_id=sorted(stop_tokens(loaded, tokenizer)),
         policy=policy,
         temperature=temperature,
         top_p=top_p,
@@ -248,10 +244,17 @@ def serve(
     sinks: int | None = SinksOpt,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    max_kv_mb: int = typer.Option(1024, "--max-kv-mb", help="Memory cap of held conversations (LRU dropped)."),
+    max_kv_mb: int = typer.Option(
+        1024, "--max-kv-mb", help="KV memory of every active row and held conversation (held ones dropped LRU)."
+    ),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for KV memory; more get a 429."),
+    prefill_chunk: int = typer.Option(
+        512, "--prefill-chunk", help="Prompt tokens read between decode steps (bounds other clients' stall)."
+    ),
     max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
 ) -> None:
-    """OpenAI-compatible server (chat and completions, streaming) with a bounded KV cache per conversation."""
+    """OpenAI-compatible server (chat and completions, streaming) that batches every request into one
+    decode step, with a bounded KV cache per conversation (kv_policy / kv_budget per request)."""
     import uvicorn
 
     from sparsegen.serve import build_app
@@ -262,6 +265,8 @@ def serve(
         budget_parts(budget, sinks, None, None),
         max_kv_bytes=max_kv_mb << 20,
         max_tokens_limit=max_tokens_limit,
+        prefill_chunk=prefill_chunk,
+        max_queue=max_queue,
     )
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
     uvicorn.run(application, host=host, port=port, log_level="warning")
@@ -761,6 +766,12 @@ def quantize_command(
     if QUANTIZERS[method].needs_calibration:
         calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
     report = quantize(loaded, method, bits, group_size, symmetric, calibration=calibration)
+    for used in sorted({g for g in report.group_sizes.values() if g != group_size}):
+        layers = sorted(name for name, g in report.group_sizes.items() if g == used)
+        err.print(
+            f"group size {group_size} does not divide the inputs of {len(layers)} layer(s) ({layers[0]}, ...): "
+            f"used {used}, the largest divisor not above it (recorded in the checkpoint)"
+        )
     save_quantized(loaded, tokenizer, out_dir, report)
     size = bits_per_weight(loaded, report.scheme)
     sizes = ", ".join(f"{name} g{g}" for name, g in sorted(report.group_sizes.items()))

@@ -18,14 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from sparsegen.decode.state import DEAD, EMPTY, LayerState, StaticKV
+from sparsegen.decode.state import StaticKV, capacity_for, slots_of, stack
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.base import Policy, Sizes, make_policy
-from sparsegen.kv.cache import PolicyLayer, make_cache
-from sparsegen.kv.window import WindowPolicy
+from sparsegen.kv.base import Policy, make_policy
+from sparsegen.kv.cache import PolicyCache, make_cache
+from sparsegen.kv.decode import read
 
 COMPILE_MODES = ("auto", "always", "never")
-MIN_TOKENS_TO_COMPILE = 64
+COMPILE_AFTER = 64  # eager steps before "auto" considers compiling
+COMPILE_PAYS_AFTER = 512  # steps still to come for a compile to pay back (see docs/benchmarks.md)
 GEMV_ROWS = 4
 PREFILL_ROWS = 4  # rows read in one prefill forward: bounds the dense prompt KV held before eviction
 
@@ -52,105 +53,25 @@ def use_gemv(model: torch.nn.Module) -> None:
             module.forward = types.MethodType(_gemv_forward, module)
 
 
-def _rows_of(layer) -> dict:
-    """One prefilled cache layer as slots: keys, values, positions (EMPTY where free), scores, and
-    how the layer goes on (policy, sizes, evicting)."""
-    if isinstance(layer, PolicyLayer):
-        held = layer.size + (layer.hole is not None)
-        keys = layer.keys[:, :, :held].clone()
-        positions = layer.positions[:, :, :held].clone()
-        if layer.hole is not None:
-            positions.scatter_(2, layer.hole, EMPTY)
-        if layer.sink_keys is not None:  # rolling sinks were rotated in place: restore them
-            keys[:, :, : layer.sink_keys.shape[2]] = layer.sink_keys
-        sizes = layer.sizes
-        return dict(
-            keys=keys,
-            values=layer.values[:, :, :held],
-            positions=positions,
-            scores=layer.scores[:, :, :held],
-            policy=layer.policy,
-            sizes=sizes or Sizes(),
-            evicting=sizes is not None and not layer.compressed,
-            rotation=layer.rotation,
-        )
-    # transformers' sliding-window layer (Gemma 3): the newest `sliding_window - 1` tokens
-    held = layer.keys.shape[2]
-    window = layer.sliding_window - 1
-    positions = torch.arange(layer.cumulative_length - held, layer.cumulative_length, device=layer.keys.device)
-    return dict(
-        keys=layer.keys,
-        values=layer.values,
-        positions=positions.expand(*layer.keys.shape[:2], held).clone(),
-        scores=torch.zeros(layer.keys.shape[:3]),
-        policy=WindowPolicy(recent=window),
-        sizes=Sizes(recent=window),
-        evicting=True,
-        rotation=None,
-    )
-
-
-def _capacity(parts: list[dict], max_new_tokens: int) -> int:
-    if parts[0]["evicting"]:
-        return max(part["sizes"].budget for part in parts) + 1
-    held = max(part["positions"].shape[2] for part in parts)
-    return -(-(held + max_new_tokens) // 64) * 64  # a multiple of 64: fewer shapes to compile
-
-
-def _stack(parts: list[dict], capacity: int, kv_dtype: torch.dtype) -> LayerState:
-    """One layer's slots for all rows, from each row group's prefilled layer."""
-    rows = sum(part["keys"].shape[0] for part in parts)
-    h, d = parts[0]["keys"].shape[1], parts[0]["keys"].shape[3]
-    dv = parts[0]["values"].shape[3]
-    keys = torch.zeros(rows, h, capacity, d, dtype=kv_dtype)
-    values = torch.zeros(rows, h, capacity, dv, dtype=kv_dtype)
-    positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long)
-    scores = torch.zeros(rows, h, capacity)
-    budgets = []
-    row = 0
-    for part in parts:
-        n, held = part["keys"].shape[0], part["keys"].shape[2]
-        keys[row : row + n, :, :held] = part["keys"]
-        values[row : row + n, :, :held] = part["values"]
-        positions[row : row + n, :, :held] = part["positions"]
-        scores[row : row + n, :, :held] = part["scores"]
-        if part["evicting"]:
-            positions[row : row + n, :, part["sizes"].budget + 1 :] = DEAD
-        budgets += [part["sizes"]] * n
-        row += n
-    sizes = Sizes(
-        *(torch.tensor([getattr(s, f) for s in budgets]).view(-1, 1, 1) for f in ("sinks", "heavy", "recent"))
-    )
-    policy, evicting = parts[0]["policy"], parts[0]["evicting"]
-    slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
-    return LayerState(
-        policy=policy,
-        sizes=sizes,
-        evicting=evicting,
-        keys=keys,
-        values=values,
-        positions=positions,
-        scores=scores,
-        slot=slot,
-        rotation=parts[0]["rotation"],
-        contiguous=policy.contiguous,
-        sinks=max(s.sinks for s in budgets),
-    )
-
-
 def _say_to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
 class Decoder:
-    """Batch decoding over a KV policy: `start(prompts)` prefills and returns each row's next-token
-        logits, then `step(tokens)` feeds one token per row and returns the next logits [b, vocab].
+    """Batch decoding over a KV policy, the one token loop every part of sparsegen drives.
 
-        `compile`: "auto" compiles the step when the generation is long enough to pay for it and a C++
-        compiler is present, "always", or "never" (eager step). Compiled code is cached on disk between
-        runs. Keys and values are stored in `kv_dtype`: fp32 by default, also under bf16 weights, since
-    CPUs without bf16 instructions convert a bf16 cache back at every step (measured slower); bf16
-    halves the cache where memory, not time, is short.
+    `start(prompts)` prefills a fresh batch and returns each row's next-token logits; `step(tokens)`
+    feeds one token per row and returns the next logits [b, vocab]. Between steps rows may join
+    (`prefill` then `join`, also from a held cache: a conversation, a soft prompt) and leave
+    (`leave`, handing a row's cache back with `hand_back`), which is how the server batches.
+
+    `compile`: "auto" decodes eagerly and switches to the compiled step once a generation has run
+    `COMPILE_AFTER` steps with at least `COMPILE_PAYS_AFTER` still to come (a short answer never
+    waits for a compile), "always", or "never". Compiled code is cached on disk between runs.
+    Prompts are read `prefill_chunk` tokens per forward (None: one forward), the policy evicting
+    between chunks. Keys and values are stored in `kv_dtype`: fp32 by default, also under bf16
+    weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
+    (measured slower); bf16 halves the cache where memory, not time, is short.
     """
 
     def __init__(
@@ -161,78 +82,140 @@ class Decoder:
         compile: str = "auto",
         kv_dtype: torch.dtype = torch.float32,
         notify: Callable[[str], None] = _say_to_stderr,
+        prefill_chunk: int | None = None,
         **budget: int | float,
     ) -> None:
         if compile not in COMPILE_MODES:
             raise SparsegenError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise SparsegenError(f"prefill_chunk must be >= 1 (or None for one forward), got {prefill_chunk}")
         self.model = model
         self.policy = make_policy(policy, **budget)
         self.position = position
         self.compile = compile
         self.kv_dtype = kv_dtype
         self.notify = notify
+        self.prefill_chunk = prefill_chunk
         self.state: StaticKV | None = None
         self._eager = DecodeStep(model)
         self.mode = "eager"
         self.compile_s = 0.0
-        self._step: Callable | None = None
+        self._step: Callable = self._eager
+        self._steps = 0
+        self._remaining = 0
 
-    # -- prefill ----------------------------------------------------------------------------
+    # -- rows in, rows out ------------------------------------------------------------------
+    def new_cache(self, prompt_length: int) -> PolicyCache:
+        """An empty policy cache for a row whose prompt has `prompt_length` tokens (shares of the
+        prompt resolved against it now, so reading it in chunks keeps the same budget)."""
+        return make_cache(self.model, self.policy.resolved(prompt_length), position=self.position)
+
     @torch.inference_mode()
-    def start(self, prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
-        """Prefill every row; returns the logits of each row's last prompt token [b, vocab]."""
+    def prefill(self, prompts: list[list[int]], held: list[PolicyCache | None] | None = None):
+        """Read each prompt into a policy cache (continuing `held[i]` where given); rows of equal
+        length without a held cache are read together. Returns the caches with the indices of
+        the rows each holds, and each row's next-token logits [b, vocab] in prompt order."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise SparsegenError("every prompt needs at least one token")
+        held = held or [None] * len(prompts)
         by_length: dict[int, list[int]] = {}
+        groups = []
         for index, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(index)
-        groups = [rows[i : i + PREFILL_ROWS] for rows in by_length.values() for i in range(0, len(rows), PREFILL_ROWS)]
-        order = [index for rows in groups for index in rows]
-        caches, logits = [], []
+            if held[index] is None:
+                by_length.setdefault(len(prompt), []).append(index)
+            else:
+                groups.append([index])
+        groups += [rows[i : i + PREFILL_ROWS] for rows in by_length.values() for i in range(0, len(rows), PREFILL_ROWS)]
+        caches, logits = [], [None] * len(prompts)
         for rows in groups:
-            cache = make_cache(self.model, self.policy, position=self.position)
-            ids = torch.tensor([prompts[i] for i in rows])
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            caches.append(cache)
-            logits.append(out.logits[:, -1].float())
+            cache = held[rows[0]] or self.new_cache(len(prompts[rows[0]]))
+            ids = torch.tensor([prompts[i] for i in rows], device=_device(self.model))
+            last = read(self.model, ids, cache, self.prefill_chunk)
+            caches.append((rows, cache))
+            for row, row_logits in zip(rows, last, strict=True):
+                logits[row] = row_logits
+        return caches, torch.stack(logits)
+
+    def join(self, caches: list[PolicyCache], max_new_tokens: int) -> None:
+        """Add the rows of prefilled `caches` to the batch (after the rows already in it)."""
         layers = []
         for index in range(len(caches[0].layers)):
-            parts = [_rows_of(cache.layers[index]) for cache in caches]
-            layers.append(_stack(parts, _capacity(parts, max_new_tokens), self.kv_dtype))
-        seen = torch.tensor([len(prompts[i]) for i in order])
-        restore = torch.tensor(order).argsort()  # stacked rows are grouped by length: undo that
-        self.state = StaticKV([_reorder(layer, restore) for layer in layers], seen[restore])
-        self._prepare_step(max_new_tokens)
-        return torch.cat(logits)[restore]
+            parts = [slots_of(cache.layers[index]) for cache in caches]
+            layers.append(stack(parts, capacity_for(parts, max_new_tokens), self.kv_dtype))
+        seen = torch.tensor([cache.get_seq_length() for cache in caches for _ in range(_rows(cache))])
+        joining = StaticKV(layers, seen)
+        if self.state is None or not self.rows:
+            self.state = joining
+        else:
+            self.state.extend(joining)
+        self._remaining = max(self._remaining, max_new_tokens)
+
+    def leave(self, rows: list[int]) -> None:
+        """Take `rows` (batch indices) out of the batch; the others keep their order."""
+        keep = [row for row in range(self.rows) if row not in set(rows)]
+        self.state.select(torch.tensor(keep, dtype=torch.long))
+
+    def hand_back(self, row: int) -> PolicyCache:
+        """Row `row`'s held tokens as a policy cache of its own, to keep between requests."""
+        cache = make_cache(self.model, self.policy, position=self.position)
+        seen = int(self.state.seen[row])
+        dtype = next(self.model.parameters()).dtype
+        for layer, slots in zip(cache.layers, self.state.layers, strict=True):
+            slots.hand_back(row, seen, layer, dtype)
+        return cache
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.state is None else int(self.state.seen.shape[0])
+
+    @torch.inference_mode()
+    def start(self, prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
+        """Prefill a fresh batch; returns the logits of each row's last prompt token [b, vocab]."""
+        caches, logits = self.prefill(prompts)
+        self.start_from(caches, max_new_tokens)
+        return logits
+
+    def start_from(self, caches: list, max_new_tokens: int) -> None:
+        """A fresh batch of `prefill`'s caches, rows in prompt order."""
+        self.state, self._steps, self._remaining = None, 0, 0
+        self.join([cache for _, cache in caches], max_new_tokens)
+        order = [row for rows, _ in caches for row in rows]
+        self.state.select(torch.tensor(order).argsort())  # stacked rows are grouped by length: undo that
+        if self.compile == "auto" and self.mode != "compiled":
+            if not _has_compiler():
+                self.notify("decoding eagerly: no C++ compiler found for torch.compile")
+                self.compile = "never"
+            elif max_new_tokens < COMPILE_AFTER + COMPILE_PAYS_AFTER:
+                self.notify(f"decoding eagerly: {max_new_tokens} new tokens do not pay for compiling the step")
+            else:
+                self.notify(f"decoding eagerly; the step compiles after {COMPILE_AFTER} tokens if more are to come")
 
     # -- decode -----------------------------------------------------------------------------
+    def _wants_compiled(self) -> bool:
+        if self.mode == "compiled" or self.compile == "never":
+            return False
+        if self.compile == "always":
+            return True
+        return self._steps >= COMPILE_AFTER and self._remaining - self._steps >= COMPILE_PAYS_AFTER
 
-    def _prepare_step(self, max_new_tokens: int) -> None:
-        if self.mode == "compiled":
-            return  # a later start() reuses the compiled step (new shapes recompile, from the disk cache)
-        wanted = self.compile == "always" or (
-            self.compile == "auto" and max_new_tokens >= MIN_TOKENS_TO_COMPILE and _has_compiler()
-        )
-        if not wanted:
-            if self.compile == "auto":
-                self.notify(
-                    f"decoding eagerly: {max_new_tokens} new tokens do not pay for compiling the step"
-                    if _has_compiler()
-                    else "decoding eagerly: no C++ compiler found for torch.compile"
-                )
-            self._step, self.mode = self._eager, "eager"
+    def _switch_to_compiled(self) -> None:
+        if not _has_compiler():
+            self.notify("decoding eagerly: no C++ compiler found for torch.compile")
+            self.compile = "never"
             return
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
         use_gemv(self.model)
-        self._step = torch.compile(self._eager, dynamic=False)
-        self.mode = "compiled"
+        self._step, self.mode = torch.compile(self._eager, dynamic=False), "compiled"
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [b]; returns the next-token logits [b, vocab]."""
-        if self.state is None:
-            raise SparsegenError("call start(prompts) before step()")
+        if self.state is None or not self.rows:
+            raise SparsegenError("call start(prompts) (or join rows) before step()")
+        if self._wants_compiled():
+            self._switch_to_compiled()
         self.state.seen += 1
+        self._steps += 1
         if self.mode != "compiled" or self.compile_s:
             return self._step(tokens, self.state)
         started = time.perf_counter()
@@ -240,10 +223,11 @@ class Decoder:
             logits = self._step(tokens, self.state)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the same eager step
             self.notify(f"decoding eagerly: compiling the step failed ({type(exc).__name__}: {str(exc)[:120]})")
-            self._step, self.mode = self._eager, "eager"
+            self._step, self.mode, self.compile = self._eager, "eager", "never"
             return self._step(tokens, self.state)
         self.compile_s = time.perf_counter() - started
-        self.notify(f"compiled the decode step in {self.compile_s:.1f} s (cached for later runs)")
+        after = f" after {self._steps - 1} eager steps" if self._steps > 1 else ""
+        self.notify(f"compiled the decode step in {self.compile_s:.1f} s{after} (cached for later runs)")
         return logits
 
 
@@ -265,11 +249,12 @@ class DecodeStep(torch.nn.Module):
         return out.logits[:, -1].float()
 
 
-def _reorder(layer: LayerState, order: torch.Tensor) -> LayerState:
-    for name in ("keys", "values", "positions", "scores", "slot"):
-        setattr(layer, name, getattr(layer, name)[order].contiguous())
-    layer.sizes = Sizes(*(getattr(layer.sizes, f)[order] for f in ("sinks", "heavy", "recent")))
-    return layer
+def _rows(cache: PolicyCache) -> int:
+    return next(layer.keys.shape[0] for layer in cache.layers if layer.is_initialized)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _has_compiler() -> bool:

@@ -11,6 +11,7 @@ import torch
 from sparsegen.decode.engine import Decoder
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.base import Policy
+from sparsegen.sampling import as_token_set, choose, stop_tokens, until_stop
 
 
 @dataclass
@@ -35,22 +36,6 @@ class Generation:
         return 1000 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
 
 
-def choose(
-    logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None
-) -> torch.Tensor:
-    """The next token of each row [b] from logits [b, vocab]: greedy at temperature 0, else sampled
-    from the top-p nucleus, each row with its own generator (so a row is its single-row run)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = (logits / temperature).softmax(-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    rows = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators or [None] * len(probs), strict=True)]
-    return torch.cat(rows)
-
-
 def _rows(input_ids, attention_mask) -> list[list[int]]:
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids if input_ids.dim() == 2 else input_ids[None]
@@ -60,22 +45,6 @@ def _rows(input_ids, attention_mask) -> list[list[int]]:
     if attention_mask is not None:
         raise SparsegenError("attention_mask goes with a tensor of input_ids; lists of ids need none")
     return [list(row) for row in input_ids]
-
-
-def _stop_tokens(model: torch.nn.Module, eos_token_id) -> torch.Tensor:
-    if eos_token_id is None:
-        config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None:
-        return torch.tensor([], dtype=torch.long)
-    return torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-
-
-def _until_stop(row: list[int], stops: set[int]) -> list[int]:
-    for index, token in enumerate(row):
-        if token in stops:
-            return row[: index + 1]
-    return row
 
 
 @torch.inference_mode()
@@ -95,49 +64,61 @@ def generate(
     streamer=None,
     notify: Callable[[str], None] | None = None,
     decoder: Decoder | None = None,
+    prefill_chunk: int | None = None,
+    held: list | None = None,
     **budget: int | float,
 ) -> Generation:
     """Generate up to `max_new_tokens` per row on the fast path under a KV policy.
 
-    `input_ids` is a [b, n] tensor (left- or right-padded, with its `attention_mask`) or a list of
-    token lists of any lengths. Rows stop at `eos_token_id` (default: the model's generation
-    config); the batch stops when every row has. Sampling (temperature > 0, top-p) draws each row
-    from its own generator seeded `seed`. `streamer` (a transformers streamer, batch 1) receives
-    tokens as they come; `notify` gets the one-line notes on compiling (default: stderr). A
-    `decoder` may be passed to reuse its compiled step.
+    `input_ids` is a [b, n] tensor (left- or right-padded, with its `attention_mask`) or a list
+    of token lists of any lengths; `held` may give a row a policy cache to continue (a soft
+    prompt's, a conversation's). Rows stop at `eos_token_id` (default: `stop_tokens(model)`);
+    the batch stops when every row has. Prompts are read `prefill_chunk` tokens per forward
+    (None: one). Sampling (temperature > 0, top-p) draws each row from its own generator seeded
+    `seed`. `streamer` (a transformers streamer, batch 1) receives tokens as they come; `notify`
+    gets the one-line notes on compiling (default: stderr). A `decoder` may be passed to reuse
+    its compiled step.
     """
     if max_new_tokens < 1:
         raise SparsegenError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts = _rows(input_ids, attention_mask)
-    stops = _stop_tokens(model, eos_token_id)
+    stops = stop_tokens(model) if eos_token_id is None else as_token_set(eos_token_id)
     if decoder is None:
         options = {"notify": notify} if notify is not None else {}
-        decoder = Decoder(model, policy, position=position, compile=compile, kv_dtype=kv_dtype, **options, **budget)
+        decoder = Decoder(
+            model,
+            policy,
+            position=position,
+            compile=compile,
+            kv_dtype=kv_dtype,
+            prefill_chunk=prefill_chunk,
+            **options,
+            **budget,
+        )
     generators = None
     if temperature > 0:
         generators = [torch.Generator().manual_seed(seed if seed is not None else torch.seed()) for _ in prompts]
     started = time.perf_counter()
-    token = choose(decoder.start(prompts, max_new_tokens), temperature, top_p, generators)
+    caches, logits = decoder.prefill(prompts, held)
+    decoder.start_from(caches, max_new_tokens)
+    token = choose(logits, temperature, top_p, generators)
     prefill_s = time.perf_counter() - started
     made = [token]
-    done = torch.isin(token, stops)
+    stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
+    done = torch.isin(token, stop_ids)
     if streamer is not None:
         streamer.put(token)
     started, steps = time.perf_counter(), 0
     while len(made) < max_new_tokens and not bool(done.all()):
-        compiling = decoder.mode == "compiled" and not decoder.compile_s
-        logits = decoder.step(token)
-        if compiling:
-            started = time.perf_counter()  # the first compiled step includes compiling
-        else:
-            steps += 1
-        token = choose(logits, temperature, top_p, generators)
+        token = choose(decoder.step(token), temperature, top_p, generators)
+        steps += 1
         made.append(token)
         if streamer is not None:
             streamer.put(token)
-        done |= torch.isin(token, stops)
-    decode_s = time.perf_counter() - started
+        done |= torch.isin(token, stop_ids)
+    decode_s = time.perf_counter() - started - decoder.compile_s
     if streamer is not None:
         streamer.end()
-    tokens = [_until_stop(row, set(stops.tolist())) for row in torch.stack(made, 1).tolist()]
+    steps -= decoder.mode == "compiled"  # the step that compiled is not counted
+    tokens = [until_stop(row, stops) for row in torch.stack(made, 1).tolist()]
     return Generation(tokens, decoder.mode, decoder.compile_s, prefill_s, decode_s, steps, len(prompts))

@@ -13,9 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
-from sparsegen.kv.base import KEEP, Policy, Sizes, Step
+from sparsegen.kv.base import KEEP, PARTS, Policy, Sizes, Step
+from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.window import WindowPolicy
 
 EMPTY = -1
 DEAD = -2
@@ -52,6 +55,62 @@ class LayerState:
     rotation: KeyRotation | None = None
     contiguous: bool = False
     sinks: int = 0
+
+    _ROWS = ("keys", "values", "positions", "scores", "slot")
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices, in that order): rows leave the batch between steps."""
+        for name in self._ROWS:
+            setattr(self, name, getattr(self, name)[rows].contiguous())
+        self.sizes = Sizes(*(getattr(self.sizes, part)[rows] for part in PARTS))
+
+    def grow(self, capacity: int) -> None:
+        """Add slots up to `capacity`: free (EMPTY) where rows keep every token, else DEAD (beyond
+        each row's budget); every row's next slot stays where it was."""
+        extra = capacity - self.keys.shape[2]
+        if extra <= 0:
+            return
+        b, h = self.positions.shape[:2]
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(b, h, extra, self.keys.shape[3])], 2)
+        self.values = torch.cat([self.values, self.values.new_zeros(b, h, extra, self.values.shape[3])], 2)
+        self.positions = torch.cat(
+            [self.positions, self.positions.new_full((b, h, extra), DEAD if self.evicting else EMPTY)], 2
+        )
+        self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, extra)], 2)
+
+    def extend(self, other: LayerState) -> None:
+        """Append `other`'s rows (rows join the batch between steps)."""
+        capacity = max(self.keys.shape[2], other.keys.shape[2])
+        self.grow(capacity)
+        other.grow(capacity)
+        for name in self._ROWS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.sizes = Sizes(*(torch.cat([getattr(self.sizes, p), getattr(other.sizes, p)]) for p in PARTS))
+        self.sinks = max(self.sinks, other.sinks)
+
+    def hand_back(self, row: int, seen: int, layer: CacheLayerMixin, dtype: torch.dtype) -> None:
+        """Write `row`'s held tokens into a fresh cache `layer` of the same policy (a conversation
+        kept between requests, continued through the policy cache): live slots in slot order,
+        which keeps a contiguous policy's sinks first."""
+        live = self.positions[row] >= 0
+        held = int(live[0].sum())
+        order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[:, :held]
+        if not isinstance(layer, PolicyLayer):  # a sliding-window layer holds its tokens in order
+            order = order.gather(1, self.positions[row].gather(1, order).argsort(-1))
+        keys = self.keys[row].gather(1, order[..., None].expand(-1, -1, self.keys.shape[3]))[None].to(dtype)
+        values = self.values[row].gather(1, order[..., None].expand(-1, -1, self.values.shape[3]))[None].to(dtype)
+        layer.keys, layer.values, layer.is_initialized = keys, values, True
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer.cumulative_length = seen
+        if not isinstance(layer, PolicyLayer):
+            return
+        layer.positions = self.positions[row].gather(1, order)[None]
+        layer.scores = self.scores[row].gather(1, order)[None]
+        layer.size = held
+        bounded = bool(layer.policy.budget_parts())
+        layer.sizes = Sizes(*(int(getattr(self.sizes, p)[row]) for p in PARTS)) if bounded else None
+        layer.compressed = bounded and not self.evicting
+        layer.check_padding = False
 
     def write(self, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
         """Put the new token's key/value [b, h, 1, d] at `position` [b] into each row's free slot."""
@@ -131,6 +190,18 @@ class StaticKV:
     layers: list[LayerState]
     seen: torch.Tensor
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices, in that order) in every layer."""
+        for layer in self.layers:
+            layer.select(rows)
+        self.seen = self.seen[rows]
+
+    def extend(self, other: StaticKV) -> None:
+        """Append `other`'s rows to every layer."""
+        for layer, joining in zip(self.layers, other.layers, strict=True):
+            layer.extend(joining)
+        self.seen = torch.cat([self.seen, other.seen])
+
     def kv_bytes(self) -> int:
         """Bytes of the preallocated key and value buffers (all rows, all slots)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
@@ -138,3 +209,92 @@ class StaticKV:
     def live_tokens(self) -> torch.Tensor:
         """Tokens held per row after the last step's eviction, in the first layer."""
         return (self.layers[0].positions[:, 0] >= 0).sum(-1)
+
+
+# -- the hand-over between a policy cache (prefill, held conversations) and slots (decoding) --------
+
+
+def slots_of(layer: CacheLayerMixin) -> dict:
+    """One prefilled cache layer as slots: keys, values, positions (EMPTY where free), scores, and
+    how the layer goes on (policy, sizes, evicting)."""
+    if isinstance(layer, PolicyLayer):
+        held = layer.size + (layer.hole is not None)
+        keys = layer.keys[:, :, :held].clone()
+        positions = layer.positions[:, :, :held].clone()
+        if layer.hole is not None:
+            positions.scatter_(2, layer.hole, EMPTY)
+        if layer.sink_keys is not None:  # rolling sinks were rotated in place: restore them
+            keys[:, :, : layer.sink_keys.shape[2]] = layer.sink_keys
+        sizes = layer.sizes
+        return dict(
+            keys=keys,
+            values=layer.values[:, :, :held],
+            positions=positions,
+            scores=layer.scores[:, :, :held],
+            policy=layer.policy,
+            sizes=sizes or Sizes(),
+            evicting=sizes is not None and not layer.compressed,
+            rotation=layer.rotation,
+        )
+    # transformers' sliding-window layer (Gemma 3): the newest `sliding_window - 1` tokens
+    held = layer.keys.shape[2]
+    window = layer.sliding_window - 1
+    positions = torch.arange(layer.cumulative_length - held, layer.cumulative_length, device=layer.keys.device)
+    return dict(
+        keys=layer.keys,
+        values=layer.values,
+        positions=positions.expand(*layer.keys.shape[:2], held).clone(),
+        scores=torch.zeros(layer.keys.shape[:3]),
+        policy=WindowPolicy(recent=window),
+        sizes=Sizes(recent=window),
+        evicting=True,
+        rotation=None,
+    )
+
+
+def capacity_for(parts: list[dict], max_new_tokens: int) -> int:
+    """Slots a layer needs: the largest budget plus the token in flight, or (keeping every token)
+    the longest held row plus its new tokens, rounded up to 64 (fewer shapes to compile)."""
+    if parts[0]["evicting"]:
+        return max(part["sizes"].budget for part in parts) + 1
+    held = max(part["positions"].shape[2] for part in parts)
+    return -(-(held + max_new_tokens) // 64) * 64
+
+
+def stack(parts: list[dict], capacity: int, kv_dtype: torch.dtype) -> LayerState:
+    """One layer's slots for all rows, from each row group's prefilled layer."""
+    rows = sum(part["keys"].shape[0] for part in parts)
+    h, d = parts[0]["keys"].shape[1], parts[0]["keys"].shape[3]
+    dv = parts[0]["values"].shape[3]
+    keys = torch.zeros(rows, h, capacity, d, dtype=kv_dtype)
+    values = torch.zeros(rows, h, capacity, dv, dtype=kv_dtype)
+    positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long)
+    scores = torch.zeros(rows, h, capacity)
+    budgets = []
+    row = 0
+    for part in parts:
+        n, held = part["keys"].shape[0], part["keys"].shape[2]
+        keys[row : row + n, :, :held] = part["keys"]
+        values[row : row + n, :, :held] = part["values"]
+        positions[row : row + n, :, :held] = part["positions"]
+        scores[row : row + n, :, :held] = part["scores"]
+        if part["evicting"]:
+            positions[row : row + n, :, part["sizes"].budget + 1 :] = DEAD
+        budgets += [part["sizes"]] * n
+        row += n
+    sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets]).view(-1, 1, 1) for f in PARTS))
+    policy, evicting = parts[0]["policy"], parts[0]["evicting"]
+    slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
+    return LayerState(
+        policy=policy,
+        sizes=sizes,
+        evicting=evicting,
+        keys=keys,
+        values=values,
+        positions=positions,
+        scores=scores,
+        slot=slot,
+        rotation=parts[0]["rotation"],
+        contiguous=policy.contiguous,
+        sinks=max(s.sinks for s in budgets),
+    )

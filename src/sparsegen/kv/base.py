@@ -127,10 +127,15 @@ class Policy(ABC):
         return tuple(f.name for f in dataclasses.fields(cls) if f.name in PARTS)
 
     @classmethod
-    def split(cls, total: int, sinks: int | None = None) -> dict[str, int]:
+    def split(cls, total: int | float, sinks: int | None = None) -> dict[str, int | float]:
         """The parts of one total budget: sinks first (default 4), the rest halved between heavy
-        and recent where the policy has both."""
+        and recent where the policy has both. A float total is a share of the prompt (H2O's "20%
+        cache": heavy 0.1 + recent 0.1), the sinks on top of it."""
         parts = cls.budget_parts()
+        if isinstance(total, float):  # a share of the prompt: the sinks stay a count
+            rest = [part for part in parts if part != "sinks"]
+            fixed = {"sinks": 4 if sinks is None else sinks} if "sinks" in parts else {}
+            return {**fixed, **{part: total / len(rest) for part in rest}}
         if sinks is not None and "sinks" not in parts:
             raise SparsegenError(f"policy {cls.name!r} keeps no sinks; drop --sinks")
         out: dict[str, int] = {}
@@ -148,14 +153,20 @@ class Policy(ABC):
 
     def sizes(self, prompt_length: int) -> Sizes | None:
         """Resolve ratios against the prompt; None means the cache is unbounded."""
-        values = {p: _resolve(getattr(self, p), prompt_length) for p in self.budget_parts()}
-        sizes = Sizes(**values)
+        resolved = self.resolved(prompt_length)
+        sizes = Sizes(**{p: getattr(resolved, p) for p in self.budget_parts()})
         if sizes.budget == 0:
             raise SparsegenError(
                 f"policy {self.name!r}: the budget resolves to 0 tokens for a {prompt_length}-token prompt; "
                 "give larger counts (or ratios with a longer prompt)"
             )
         return sizes
+
+    def resolved(self, prompt_length: int) -> Policy:
+        """This policy with its shares of the prompt turned into counts for `prompt_length` tokens:
+        the one place a budget is resolved (a cache reading the prompt in chunks keeps it)."""
+        counts = {p: _resolve(getattr(self, p), prompt_length) for p in self.budget_parts()}
+        return dataclasses.replace(self, **counts) if counts else self
 
     def score(self, step: Step) -> torch.Tensor | None:
         """The running scores after this step ([b, h, n]), or None if the policy keeps none."""
@@ -193,8 +204,12 @@ def make_policy(policy: str | Policy, budget: int | None = None, **settings) -> 
         raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[policy]
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise SparsegenError(f"budget must be an int > 0, got {budget!r}")
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
+            raise SparsegenError(
+                f"budget must be an int > 0 (tokens) or a share of the prompt in (0, 1), got {budget!r}"
+            )
+        if isinstance(budget, float) and budget >= 1:
+            raise SparsegenError(f"budget={budget}: a float is a share of the prompt and must be < 1; use an int count")
         if any(k in settings for k in ("heavy", "recent")):
             raise SparsegenError("give either budget= or its parts (heavy=, recent=), not both")
         settings = {**settings, **cls.split(budget, settings.pop("sinks", None))}

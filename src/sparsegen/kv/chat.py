@@ -9,6 +9,7 @@ import torch
 from sparsegen.kv.base import Policy
 from sparsegen.kv.cache import make_cache
 from sparsegen.kv.decode import stream
+from sparsegen.sampling import stop_tokens
 
 
 class StreamingChat:
@@ -33,9 +34,7 @@ class StreamingChat:
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.messages: list[dict] = []
         self.fed_text = ""
-        configured = getattr(model.generation_config, "eos_token_id", None)
-        configured = configured if isinstance(configured, list) else [configured]
-        self.stop_ids = {tokenizer.eos_token_id, *configured} - {None}
+        self.stop_ids = stop_tokens(model, tokenizer)
 
     def _render(self, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

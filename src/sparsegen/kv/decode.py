@@ -14,6 +14,7 @@ import torch
 
 from sparsegen.kv.base import Policy
 from sparsegen.kv.cache import PolicyCache, make_cache
+from sparsegen.sampling import choose
 
 
 @dataclass
@@ -27,21 +28,30 @@ class StreamStep:
 
 @torch.inference_mode()
 def read(
-    model: torch.nn.Module, ids: list[int], cache: PolicyCache, chunk: int | None = None, all_logits: bool = False
+    model: torch.nn.Module,
+    ids: list[int] | torch.Tensor,
+    cache: PolicyCache,
+    chunk: int | None = None,
+    all_logits: bool = False,
 ) -> torch.Tensor | None:
-    """Read token `ids` into `cache`, `chunk` tokens per forward (default: one forward), so the policy
-    evicts between chunks. Returns the logits of every id [n, vocab] with `all_logits`, else of the
-    last one [vocab] (None for no ids); only what is returned is kept, so long prompts stay cheap."""
+    """Read token `ids` (one row's list, or rows [b, n]) into `cache`, `chunk` tokens per forward
+    (default: one forward), so the policy evicts between chunks. Returns the logits of every id
+    ([n, vocab], or [b, n, vocab]) with `all_logits`, else of the last one ([vocab], or [b, vocab];
+    None for no ids); only what is returned is computed, so long prompts stay cheap."""
     device = next(model.parameters()).device
-    step = chunk or max(len(ids), 1)
+    rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
+    step = chunk or max(rows.shape[1], 1)
     kept = []
-    for start in range(0, len(ids), step):
-        piece = torch.tensor(ids[start : start + step], device=device)[None]
-        logits = model(input_ids=piece, past_key_values=cache, use_cache=True).logits[0].float()
-        kept.append(logits if all_logits else logits[-1])
+    for start in range(0, rows.shape[1], step):
+        piece = rows[:, start : start + step]
+        logits = model(
+            input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
+        ).logits.float()
+        kept.append(logits if all_logits else logits[:, -1])
     if not kept:
         return None
-    return torch.cat(kept) if all_logits else kept[-1]
+    out = torch.cat(kept, 1) if all_logits else kept[-1]
+    return out if isinstance(ids, torch.Tensor) else out[0]
 
 
 @torch.inference_mode()
@@ -79,10 +89,6 @@ def stream(
         if logits is None:
             raise ValueError("generation needs at least one input token")
         last = logits[:, -1].float()
-        if temperature > 0:
-            probs = (last / temperature).softmax(-1)
-            token = torch.multinomial(probs, 1, generator=generator)
-        else:
-            token = last.argmax(-1, keepdim=True)
+        token = choose(last, temperature, 1.0, [generator] * last.shape[0])[:, None]
         logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
         yield StreamStep(token, logits, generated=True)

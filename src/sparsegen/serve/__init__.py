@@ -17,16 +17,21 @@ def build_app(
     model_id: str | None = None,
     max_kv_bytes: int = 1 << 30,
     max_tokens_limit: int = 4096,
+    prefill_chunk: int = 512,
+    max_queue: int = 64,
 ) -> FastAPI:
     """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
 
     Only the unbounded `full` policy caps prompt + answer at the model's positions; bounded
-    policies take conversations of any length.
+    policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
+    and held conversation; up to `max_queue` requests wait for room, later ones get a 429.
     """
     from sparsegen.models import load
 
     network, tokenizer = load(model) if isinstance(model, str) else model
-    engine = Engine(network, tokenizer, policy, budget, max_kv_bytes=max_kv_bytes)
-    limit = network.config.get_text_config(decoder=True).max_position_embeddings if policy == "full" else None
+    engine = Engine(
+        network, tokenizer, policy, budget, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk, max_queue=max_queue
+    )
+    limit = network.config.get_text_config(decoder=True).max_position_embeddings
     name = model_id or (model if isinstance(model, str) else "sparsegen")
     return create_app(engine, name, max_tokens_limit=max_tokens_limit, context_limit=limit)

@@ -15,49 +15,22 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.process_collector import ProcessCollector
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparsegen.serve.engine import Engine, Job
+from sparsegen.errors import SparsegenError
+from sparsegen.serve.engine import Engine, Job, QueueFull
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-class Metrics:
-    """Prometheus metrics of one server (own registry, so several servers can live in one process)."""
-
-    def __init__(self, engine_stats) -> None:
-        self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        self.requests = Counter(
-            "sparsegen_requests", "Requests answered", ["endpoint", "status"], registry=self.registry
-        )
-        self.prompt_tokens = Counter("sparsegen_prompt_tokens", "Prompt tokens received", registry=self.registry)
-        self.completion_tokens = Counter("sparsegen_completion_tokens", "Tokens generated", registry=self.registry)
-        self.reuses = Counter(
-            "sparsegen_conversation_reuses", "Requests that continued a held cache", registry=self.registry
-        )
-        self.ttft = Histogram("sparsegen_time_to_first_token_seconds", "Time to first token", registry=self.registry)
-        self.kv_bytes = Gauge("sparsegen_kv_bytes_held", "Bytes of keys and values held", registry=self.registry)
-        self.conversations = Gauge("sparsegen_conversations_held", "Conversations held", registry=self.registry)
-        self.active = Gauge("sparsegen_active_generations", "Generations in progress", registry=self.registry)
-        self._engine_stats = engine_stats
-
-    def render(self) -> bytes:
-        held, stats = self._engine_stats()
-        self.kv_bytes.set(held)
-        self.conversations.set(stats["conversations"])
-        self.active.set(stats["active"])
-        return generate_latest(self.registry)
 
 
 class Message(BaseModel):
@@ -74,15 +47,29 @@ class Message(BaseModel):
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     n: int = 1
+    kv_policy: str | None = None
+    kv_budget: int | float | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def job_options(self, engine: Engine) -> dict:
+        """Sampling (the model's generation config where the request says nothing) and the KV policy."""
+        budget = None if self.kv_budget is None else {"budget": self.kv_budget}
+        return {
+            "temperature": engine.sampling["temperature"] if self.temperature is None else self.temperature,
+            "top_p": engine.sampling["top_p"] if self.top_p is None else self.top_p,
+            "stop": self.stops(),
+            "seed": self.seed,
+            "policy": self.kv_policy,
+            "budget": budget,
+        }
 
 
 class ChatRequest(Sampling):
@@ -103,14 +90,16 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app. `context_limit` caps prompt + max_tokens (set for the unbounded `full` policy)."""
     app = FastAPI(title="sparsegen", description="OpenAI-compatible server with a bounded KV cache")
-    metrics = engine.metrics = Metrics(lambda: (engine.held_kv_bytes(), engine.stats()))
+    metrics = engine.metrics
     app.state.engine = engine
     created = int(time.time())
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         metrics.requests.labels(request.url.path, str(exc.status)).inc()
-        return JSONResponse(error_body(exc.message, param=exc.param, code=exc.code), status_code=exc.status)
+        return JSONResponse(
+            error_body(exc.message, param=exc.param, code=exc.code), status_code=exc.status, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -135,7 +124,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(engine.render_metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -155,22 +144,37 @@ def create_app(
             raise ApiError(
                 400, f"max_tokens must be in [{minimum}, {max_tokens_limit}], got {max_tokens}", "max_tokens"
             )
-        if context_limit is not None and prompt_tokens + max_tokens > context_limit:
+        try:
+            policy = engine.kv_policy(body.kv_policy, None if body.kv_budget is None else {"budget": body.kv_budget})
+        except SparsegenError as exc:
+            raise ApiError(400, str(exc), "kv_budget" if body.kv_budget is not None else "kv_policy") from None
+        if policy.budget_parts() or context_limit is None:
+            return
+        if prompt_tokens + max_tokens > context_limit:
             raise ApiError(
                 400,
                 f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"{context_limit} tokens the {engine.policy!r} policy can hold; shorten the "
-                "conversation or serve a bounded policy (--policy streaming)",
+                f"{context_limit} tokens the {policy.name!r} policy can hold; shorten the "
+                "conversation or ask for a bounded policy (kv_policy: streaming)",
                 "messages",
                 "context_length_exceeded",
             )
 
-    async def run(request: Request, job: Job, on_event):
-        """Submit `job`; pass its events to `on_event` until done; cancel it if the client leaves."""
+    def submit(job: Job) -> asyncio.Queue:
+        """Hand `job` to the engine; its events arrive on the returned queue. Refusals are API errors."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-        engine.submit(job)
+        try:
+            engine.submit(job)
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+        except SparsegenError as exc:
+            raise ApiError(400, str(exc), "max_tokens", "kv_memory_exceeded") from None
+        return events
+
+    async def run(request: Request, job: Job, events: asyncio.Queue, on_event):
+        """Pass the submitted `job`'s events to `on_event` until done; cancel it if the client leaves."""
         try:
             while True:
                 try:
@@ -219,11 +223,9 @@ def create_app(
             max_tokens,
             emit=None,
             text=text,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=body.stops(),
-            seed=body.seed,
+            **body.job_options(engine),
         )
+        events = submit(job)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_id}
 
@@ -252,7 +254,7 @@ def create_app(
                     return None
 
                 try:
-                    async for piece in run(request, job, on_event):
+                    async for piece in run(request, job, events, on_event):
                         yield piece
                 except ApiError as exc:
                     yield sse(error_body(exc.message, "server_error", code=exc.code))
@@ -270,7 +272,9 @@ def create_app(
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
         done = {}
-        async for _ in run(request, job, lambda kind, payload: done.update(payload) if kind == "done" else None):
+        async for _ in run(
+            request, job, events, lambda kind, payload: done.update(payload) if kind == "done" else None
+        ):
             pass
         if not done:
             return JSONResponse(error_body("client disconnected"), status_code=499)
@@ -336,15 +340,14 @@ def create_app(
                 list(ids),
                 body.max_tokens,
                 emit=None,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                stop=body.stops(),
-                seed=body.seed,
                 logprobs=body.logprobs,
+                **body.job_options(engine),
                 echo=body.echo,
             )
 
         if body.stream:
+            job = job_for(prompts[0])
+            events = submit(job)
 
             async def chunks():
                 final = {}
@@ -357,7 +360,7 @@ def create_app(
                     return None
 
                 try:
-                    async for piece in run(request, job_for(prompts[0]), on_event):
+                    async for piece in run(request, job, events, on_event):
                         yield piece
                 except ApiError as exc:
                     yield sse(error_body(exc.message, "server_error", code=exc.code))
@@ -374,6 +377,9 @@ def create_app(
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
+        jobs = [job_for(ids) for ids in prompts]
+        queues = [submit(job) for job in jobs]
+
         async def one(index: int, ids: list[int]) -> dict:
             state: dict = {"prompt": [], "tokens": []}
 
@@ -385,7 +391,7 @@ def create_app(
                 elif kind == "done":
                     state["done"] = payload
 
-            async for _ in run(request, job_for(ids), on_event):
+            async for _ in run(request, jobs[index], queues[index], on_event):
                 pass
             done = state.get("done")
             if done is None:

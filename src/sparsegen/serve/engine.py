@@ -1,16 +1,17 @@
-"""The generation engine behind the server: one worker thread, many conversations, bounded KV.
+"""The generation engine behind the server: continuous batching over the one decode loop.
 
-Every request becomes a `Job`. The worker reads each new job's prompt into a policy cache, then
-decodes one token per active job in turn (round robin), so concurrent clients share the model
-fairly and a long answer never blocks a short one. Padded batches are not supported by the KV
-policies yet, so jobs are interleaved rather than batched.
+Every request is a `Job`. The worker thread admits jobs while their KV fits `max_kv_bytes`
+(the rest wait in a bounded queue), reads each admitted prompt into a policy cache one chunk per
+iteration, and then makes it a row of a `Lane`: the rows that share a KV policy, decoded together
+by one `Decoder`, one step for all of them per iteration. Rows join after their prefill and leave
+when done (stop token, stop string, `max_tokens`, a client gone) between steps; a long prompt
+delays other rows' tokens by at most one chunk.
 
-Conversations: the API is stateless, so after a chat answer the worker keeps its cache together
-with the exact text it has read (prompt + answer). A later request whose rendered prompt starts
-with that text continues the cache and reads only the new part. Held caches are dropped least
-recently used past a byte cap; a dropped conversation that comes back is rebuilt by reading its
-whole history under the same policy, in chunks, so it holds what the policy keeps of the history
-read once, which can differ from what the original conversation held (evicted tokens are gone).
+Conversations: the API is stateless, so after a chat answer the worker keeps the row's cache
+(handed back from the batch) with the exact text it has read. A later request whose rendered
+prompt starts with that text continues the cache and reads only the new part. Held caches count
+against the KV memory and are dropped least recently used when a request needs the room; a
+dropped conversation that comes back is rebuilt by reading its whole history under the policy.
 """
 
 from __future__ import annotations
@@ -18,32 +19,56 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.process_collector import ProcessCollector
 
+from sparsegen.decode import Decoder
+from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
+from sparsegen.kv.base import Policy, make_policy
 from sparsegen.kv.decode import read
+from sparsegen.sampling import choose, stop_tokens
+
+
+class QueueFull(Exception):
+    """Too many requests wait for KV memory; the client should retry later."""
+
+
+class Metrics:
+    """Prometheus metrics of one engine (own registry, so several servers can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        registry = {"registry": self.registry}
+        self.requests = Counter("sparsegen_requests", "Requests answered", ["endpoint", "status"], **registry)
+        self.prompt_tokens = Counter("sparsegen_prompt_tokens", "Prompt tokens received", **registry)
+        self.completion_tokens = Counter("sparsegen_completion_tokens", "Tokens generated", **registry)
+        self.reuses = Counter("sparsegen_conversation_reuses", "Requests that continued a held cache", **registry)
+        self.admitted = Counter("sparsegen_admitted", "Requests admitted, per KV policy", ["policy"], **registry)
+        self.refused = Counter("sparsegen_refused_queue_full", "Requests refused with 429", **registry)
+        self.ttft = Histogram("sparsegen_time_to_first_token_seconds", "Time to first token", **registry)
+        self.kv_bytes = Gauge("sparsegen_kv_bytes_held", "Bytes of keys and values admitted or held", **registry)
+        self.conversations = Gauge("sparsegen_conversations_held", "Conversations held", **registry)
+        self.active = Gauge("sparsegen_active_generations", "Rows prefilling or decoding", **registry)
+        self.queued = Gauge("sparsegen_requests_queued", "Requests waiting for KV memory", **registry)
 
 
 @dataclass
 class Conversation:
-    """A policy cache and the text it has read, which a follow-up request must start with."""
+    """A policy cache and the text it has read (a follow-up must start with it); `unfed` is the
+    answer's last token, sampled but not yet read into the cache."""
 
     cache: PolicyCache
     text: str = ""
-    busy: bool = False
+    unfed: list[int] = field(default_factory=list)
+    nbytes: int = 0
     last_used: float = field(default_factory=time.monotonic)
-
-    def allocated_bytes(self) -> int:
-        """Bytes of the cache's buffers (allocated, not only held), what the memory cap counts."""
-        total = 0
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-        return total
 
 
 @dataclass
@@ -52,32 +77,47 @@ class Job:
 
     `emit(kind, payload)` is called from the worker thread: ("token", dict) for each decoded
     piece, then ("done", dict) or ("error", str). `text` is the rendered prompt of a chat (for
-    conversation reuse); completions leave it None and always start a fresh cache.
+    conversation reuse); completions leave it None and always start a fresh cache. `policy` and
+    `budget` override the engine's KV policy for this request.
     """
 
     prompt_ids: list[int]
     max_tokens: int
     emit: Callable[[str, object], None]
     text: str | None = None
-    temperature: float = 1.0
+    temperature: float = 0.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
+    policy: str | None = None
+    budget: dict | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker state
-    conversation: Conversation | None = None
+    kv_policy: Policy | None = None
+    kv_need: int = 0
+    cache: PolicyCache | None = None
+    to_read: list[int] = field(default_factory=list)
+    read_logits: list[torch.Tensor] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     shown: str = ""
-    next_logits: torch.Tensor | None = None
     generator: torch.Generator | None = None
     cached_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class Lane:
+    """The rows decoding under one KV policy: one batch, one step for all of them."""
+
+    decoder: Decoder
+    jobs: list[Job] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # each row's next-token logits [rows, vocab]
+
+
 class Engine:
-    """Owns the model and the conversations; `submit()` is safe from any thread."""
+    """Owns the model, the batch and the conversations; `submit()` is safe from any thread."""
 
     def __init__(
         self,
@@ -87,19 +127,21 @@ class Engine:
         budget: dict | None = None,
         max_kv_bytes: int = 1 << 30,
         prefill_chunk: int = 512,
-        metrics=None,
+        max_queue: int = 64,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.policy, self.budget = policy, budget or {}
-        self.max_kv_bytes, self.prefill_chunk = max_kv_bytes, prefill_chunk
-        self.metrics = metrics
-        make_cache(model, policy, **self.budget)  # bad settings fail now, not at the first request
+        self.max_kv_bytes, self.prefill_chunk, self.max_queue = max_kv_bytes, prefill_chunk, max_queue
+        self.metrics = Metrics()
+        self.kv_policy(policy, self.budget)  # bad settings fail now, not at the first request
+        self.sampling = sampling_defaults(model)
+        self.stop_ids = stop_tokens(model, tokenizer)
+        self.bytes_per_token = kv_bytes_per_token(model)
         self.conversations: OrderedDict[int, Conversation] = OrderedDict()
         self.incoming: queue.Queue[Job] = queue.Queue()
-        self.active: list[Job] = []
-        configured = getattr(model.generation_config, "eos_token_id", None)
-        configured = configured if isinstance(configured, list) else [configured]
-        self.stop_ids = {tokenizer.eos_token_id, *configured} - {None}
+        self.waiting: deque[Job] = deque()
+        self.prefilling: deque[Job] = deque()
+        self.lanes: dict[tuple, Lane] = {}
         self.device = next(model.parameters()).device
         self._lock = threading.Lock()
         self._running = True
@@ -107,7 +149,26 @@ class Engine:
         self._thread.start()
 
     # -- public -------------------------------------------------------------------------------
+    def kv_policy(self, name: str | None, budget: dict | None) -> Policy:
+        """The KV policy of a request (the engine's defaults where it names none); bad settings raise."""
+        if name is None and budget is None:
+            name, budget = self.policy, self.budget
+        return make_policy(name or self.policy, **(budget if budget is not None else {}))
+
     def submit(self, job: Job) -> None:
+        """Queue `job`; raises `QueueFull` when `max_queue` requests already wait for memory, and
+        `SparsegenError` when its KV could never fit."""
+        job.kv_policy = self.kv_policy(job.policy, job.budget)
+        job.kv_need = self._kv_need(job)
+        if job.kv_need > self.max_kv_bytes:
+            raise SparsegenError(
+                f"this request needs {job.kv_need / 2**20:.1f} MB of KV, more than the server's --max-kv-mb "
+                f"({self.max_kv_bytes / 2**20:.1f} MB): lower max_tokens or use a bounded kv_policy"
+            )
+        with self._lock:
+            if len(self.waiting) + self.incoming.qsize() >= self.max_queue:
+                self.metrics.refused.inc()
+                raise QueueFull(f"{self.max_queue} requests already wait for KV memory; retry shortly")
         self.incoming.put(job)
 
     def close(self) -> None:
@@ -115,26 +176,38 @@ class Engine:
         self._thread.join(timeout=10)
 
     def held_kv_bytes(self) -> int:
+        """KV bytes counted against the cap: admitted rows (at their full need) and held conversations."""
         with self._lock:
-            caches = [c.cache for c in self.conversations.values()]
-            caches += [j.conversation.cache for j in self.active if j.conversation is not None]
-        return sum(cache.kv_bytes() for cache in caches)
+            rows = [job for lane in self.lanes.values() for job in lane.jobs] + list(self.prefilling)
+            return sum(job.kv_need for job in rows) + sum(c.nbytes for c in self.conversations.values())
 
     def stats(self) -> dict:
         with self._lock:
-            return {"conversations": len(self.conversations), "active": len(self.active)}
+            active = sum(len(lane.jobs) for lane in self.lanes.values()) + len(self.prefilling)
+            return {"conversations": len(self.conversations), "active": active, "queued": len(self.waiting)}
+
+    def render_metrics(self) -> bytes:
+        stats = self.stats()
+        self.metrics.kv_bytes.set(self.held_kv_bytes())
+        self.metrics.conversations.set(stats["conversations"])
+        self.metrics.active.set(stats["active"])
+        self.metrics.queued.set(stats["queued"] + self.incoming.qsize())
+        return generate_latest(self.metrics.registry)
 
     # -- worker -------------------------------------------------------------------------------
     def _loop(self) -> None:
         while self._running:
+            busy = self.prefilling or any(lane.jobs for lane in self.lanes.values())
             try:
-                job = self.incoming.get(timeout=0.05 if not self.active else 0)
-                self._guarded(job, self._start)
-                continue  # admit every waiting job before the next round of decoding
+                self.waiting.append(self.incoming.get(timeout=0 if busy or self.waiting else 0.05))
+                continue  # take every request that came before deciding admissions
             except queue.Empty:
                 pass
-            for job in list(self.active):
-                self._guarded(job, self._step)
+            self._admit()
+            if self.prefilling:
+                self._guarded(self.prefilling[0], self._read_chunk)
+            for key, lane in list(self.lanes.items()):
+                self._decode(key, lane)
 
     def _guarded(self, job: Job, action) -> None:
         """Run one job's action; a failure ends that job with an error, never the worker."""
@@ -142,106 +215,174 @@ class Engine:
             with torch.inference_mode():
                 action(job)
         except Exception as exc:  # one bad request must not take the server down
-            self._finish(job, None)
+            self._drop(job)
             job.emit("error", f"{type(exc).__name__}: {exc}")
 
-    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool) -> torch.Tensor:
-        """Read `ids` into `cache` in chunks; the logits of every id, or of the last one."""
-        return read(self.model, ids, cache, self.prefill_chunk, all_logits)
-
-    def _claim_conversation(self, job: Job) -> tuple[Conversation, list[int]]:
-        """The held conversation this chat continues (and the ids still to read), or a new one."""
+    def _drop(self, job: Job) -> None:
         with self._lock:
-            if job.text is not None:
-                matches = [
-                    (k, c)
-                    for k, c in self.conversations.items()
-                    if c.text and len(job.text) > len(c.text) and job.text.startswith(c.text)
-                ]
-                if matches:
-                    key, conversation = max(matches, key=lambda kc: len(kc[1].text))
-                    del self.conversations[key]
-                    conversation.busy = True
-                    new_text = job.text[len(conversation.text) :]
-                    ids = self.tokenizer(new_text, add_special_tokens=False)["input_ids"]
-                    job.cached_tokens = max(0, len(job.prompt_ids) - len(ids))
-                    if self.metrics is not None:
-                        self.metrics.reuses.inc()
-                    return conversation, ids
-        cache = make_cache(self.model, self.policy, **self.budget)
-        return Conversation(cache, busy=True), job.prompt_ids
+            for pending in (self.waiting, self.prefilling):
+                if job in pending:
+                    pending.remove(job)
 
-    def _start(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            return
-        job.conversation, ids = self._claim_conversation(job)
+    # -- admission ----------------------------------------------------------------------------
+    def _kv_need(self, job: Job) -> int:
+        """Bytes of KV the request may hold: its budget (plus the token in flight) for a bounded
+        policy, its prompt (the whole conversation) plus `max_tokens` for `full`."""
+        sizes = job.kv_policy.sizes(len(job.prompt_ids))
+        most = len(job.prompt_ids) + job.max_tokens
+        tokens = most if sizes is None else min(sizes.budget + 1, most)
+        return tokens * self.bytes_per_token
+
+    def _admit(self) -> None:
+        """Admit waiting jobs in order while their KV fits, dropping held conversations (least
+        recently used first) to make room."""
+        while self.waiting:
+            job = self.waiting[0]
+            if job.cancelled.is_set():
+                self.waiting.popleft()
+                continue
+            while self.held_kv_bytes() + job.kv_need > self.max_kv_bytes and self.conversations:
+                with self._lock:
+                    self.conversations.popitem(last=False)
+            if self.held_kv_bytes() + job.kv_need > self.max_kv_bytes:
+                return
+            with self._lock:
+                self.waiting.popleft()
+                self.prefilling.append(job)
+            self.metrics.admitted.labels(job.kv_policy.name).inc()
+            self._guarded(job, self._begin)
+
+    def _matching_conversation(self, job: Job) -> Conversation | None:
+        if job.text is None:
+            return None
         with self._lock:
-            self.active.append(job)
+            matches = [
+                c
+                for c in self.conversations.values()
+                if c.text and len(job.text) > len(c.text) and job.text.startswith(c.text)
+            ]
+        return max(matches, key=lambda c: len(c.text), default=None)
+
+    def _begin(self, job: Job) -> None:
+        """Claim the held conversation this chat continues (reading only the new ids), or a new cache."""
         if job.seed is not None:
             job.generator = torch.Generator(device=self.device).manual_seed(job.seed)
-        logits = self._forward(ids, job.conversation.cache, all_logits=job.echo)
+        held = self._matching_conversation(job)
+        if held is not None and self._lane_key(job.kv_policy) == self._lane_key(held.cache.policy):
+            with self._lock:
+                del self.conversations[id(held)]
+            new_ids = self.tokenizer(job.text[len(held.text) :], add_special_tokens=False)["input_ids"]
+            job.cache, job.to_read = held.cache, held.unfed + new_ids
+            job.cached_tokens = max(0, len(job.prompt_ids) - len(job.to_read))
+            self.metrics.reuses.inc()
+        else:
+            policy = job.kv_policy.resolved(len(job.prompt_ids))
+            job.cache, job.to_read = make_cache(self.model, policy), list(job.prompt_ids)
+        if not job.to_read:  # the follow-up adds nothing: re-read the last token's logits
+            raise SparsegenError("the request adds no tokens to its conversation")
+
+    # -- prefill, one chunk per iteration -------------------------------------------------------
+    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool) -> torch.Tensor:
+        """Read `ids` into `cache`; the logits of every id, or of the last one."""
+        return read(self.model, ids, cache, all_logits=all_logits)
+
+    def _read_chunk(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._drop(job)
+            return
+        chunk, job.to_read = job.to_read[: self.prefill_chunk], job.to_read[self.prefill_chunk :]
+        logits = self._forward(chunk, job.cache, all_logits=job.echo)
+        job.read_logits.append(logits)
+        if job.to_read:
+            return
         if job.echo:
-            job.emit("prompt_logprobs", self._prompt_logprobs(ids, logits, job.logprobs or 0))
+            logits = torch.cat(job.read_logits)
+            job.emit("prompt_logprobs", self._prompt_logprobs(job.prompt_ids, logits, job.logprobs or 0))
             logits = logits[-1]
-        job.next_logits = logits
-        if job.max_tokens == 0:
-            self._complete(job, "length")
+        job.read_logits = []
+        with self._lock:
+            self.prefilling.remove(job)
+            if job.max_tokens == 0:
+                self._complete(job, "length", None)
+                return
+            key = self._lane_key(job.kv_policy)
+            if key not in self.lanes:
+                self.lanes[key] = Lane(Decoder(self.model, job.kv_policy, compile="never"))
+            lane = self.lanes[key]
+            lane.decoder.join([job.cache], job.max_tokens)
+            lane.jobs.append(job)
+            lane.logits = logits[None] if lane.logits is None else torch.cat([lane.logits, logits[None]])
+        job.cache = None  # the row lives in the lane now
+
+    @staticmethod
+    def _lane_key(policy: Policy) -> tuple:
+        """Rows batch together when they share the policy and its sinks (per-row budgets differ)."""
+        return (policy.name, getattr(policy, "sinks", None))
 
     def _prompt_logprobs(self, ids: list[int], logits: torch.Tensor, top: int) -> list[dict]:
         """Per prompt token: its log-probability given the tokens before it (None for the first)."""
         logprobs = logits[:-1].log_softmax(-1)
         entries = [{"id": ids[0], "logprob": None, "top": None}]
         for position, token in enumerate(ids[1:]):
-            entries.append(self._token_entry(logprobs[position], token, top))
+            entries.append(_token_entry(logprobs[position], token, top))
         return entries
 
-    def _token_entry(self, logprobs: torch.Tensor, token: int, top: int) -> dict:
-        best = logprobs.topk(max(top, 1))
-        return {
-            "id": token,
-            "logprob": float(logprobs[token]),
-            "top": {int(i): float(v) for v, i in zip(best.values, best.indices, strict=True)} if top else None,
-        }
-
-    def _sample(self, job: Job, logits: torch.Tensor) -> int:
-        if job.temperature <= 0:
-            return int(logits.argmax())
-        probs = (logits / job.temperature).softmax(-1)
-        if job.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs > job.top_p
-            sorted_probs[outside] = 0
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=job.generator))
-
-    def _step(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self._finish(job, None)
+    # -- decode, one step for every row of a lane ------------------------------------------------
+    def _decode(self, key: tuple, lane: Lane) -> None:
+        if not lane.jobs:
             return
-        logits = job.next_logits
-        token = self._sample(job, logits)
-        entry = (
-            self._token_entry(logits.log_softmax(-1), token, job.logprobs or 0) if job.logprobs is not None else None
+        try:
+            with torch.inference_mode():
+                self._decode_step(lane)
+        except Exception as exc:  # a failed step fails its lane's rows, never the worker
+            with self._lock:
+                del self.lanes[key]
+            for job in lane.jobs:
+                job.emit("error", f"{type(exc).__name__}: {exc}")
+
+    def _decode_step(self, lane: Lane) -> None:
+        jobs = lane.jobs
+        tokens = choose(
+            lane.logits, [j.temperature for j in jobs], [j.top_p for j in jobs], [j.generator for j in jobs]
         )
-        if self.metrics is not None and not job.generated:
+        leaving: dict[int, str | None] = {}
+        for row, (job, token) in enumerate(zip(jobs, tokens.tolist(), strict=True)):
+            reason = self._take_token(job, token, lane.logits[row])
+            if reason is not None or job.cancelled.is_set():
+                leaving[row] = reason
+        with self._lock:
+            for row, reason in leaving.items():
+                if reason is not None:
+                    self._complete(jobs[row], reason, lane.decoder.hand_back(row) if jobs[row].text else None)
+            if leaving:
+                lane.decoder.leave(list(leaving))
+                staying = [row for row in range(len(jobs)) if row not in leaving]
+                lane.jobs = [jobs[row] for row in staying]
+                tokens = tokens[staying]
+            if not lane.jobs:
+                lane.logits = None
+                return
+        lane.logits = lane.decoder.step(tokens)
+
+    def _take_token(self, job: Job, token: int, logits: torch.Tensor) -> str | None:
+        """Record one sampled token and send its text; the finish reason when the row is done."""
+        entry = _token_entry(logits.log_softmax(-1), token, job.logprobs or 0) if job.logprobs is not None else None
+        if not job.generated:
             self.metrics.ttft.observe(time.perf_counter() - job.started)
-        if token in self.stop_ids:
-            job.generated.append(token)
-            self._complete(job, "stop", flush=True)
-            return
         job.generated.append(token)
-        text = self.tokenizer.decode([t for t in job.generated if t not in self.stop_ids], skip_special_tokens=True)
+        if token in self.stop_ids:
+            self._emit_text(job, self._answer(job), entry, final=True)
+            return "stop"
+        text = self._answer(job)
         hit = min((text.find(s) for s in job.stop if s and s in text), default=-1)
         if hit >= 0:
             self._emit_text(job, text[:hit], entry, final=True)
-            self._complete(job, "stop")
-            return
-        self._emit_text(job, text, entry, final=False)
-        if len(job.generated) >= job.max_tokens:
-            self._complete(job, "length", flush=True)
-            return
-        ids = torch.tensor([[token]], device=self.device)
-        job.next_logits = self.model(input_ids=ids, past_key_values=job.conversation.cache).logits[0, -1].float()
+            return "stop"
+        self._emit_text(job, text, entry, final=len(job.generated) >= job.max_tokens)
+        return "length" if len(job.generated) >= job.max_tokens else None
+
+    def _answer(self, job: Job) -> str:
+        return self.tokenizer.decode([t for t in job.generated if t not in self.stop_ids], skip_special_tokens=True)
 
     def _emit_text(self, job: Job, text: str, entry: dict | None, final: bool) -> None:
         """Send the text not sent yet, holding back what may still become a stop string or a character."""
@@ -255,37 +396,47 @@ class Engine:
             job.emit("token", {"text": ready[len(job.shown) :], "logprob": entry})
             job.shown = max(ready, job.shown, key=len)
 
-    def _complete(self, job: Job, reason: str, flush: bool = False) -> None:
-        if flush:
-            text = self.tokenizer.decode([t for t in job.generated if t not in self.stop_ids], skip_special_tokens=True)
-            if len(text) > len(job.shown):
-                self._emit_text(job, text, None, final=True)
-        conversation = job.conversation
-        if job.text is not None:
-            conversation.text = job.text + self.tokenizer.decode(job.generated)
-        self._finish(job, conversation if job.text is not None else None)
+    def _complete(self, job: Job, reason: str, cache: PolicyCache | None) -> None:
+        """Finish `job` (under the lock); keep its conversation's `cache` for reuse."""
+        held_tokens = 0
+        if cache is not None:
+            held_tokens = cache.physical_length()
+            conversation = Conversation(
+                cache, job.text + self.tokenizer.decode(job.generated), job.generated[-1:], cache.kv_bytes()
+            )
+            self.conversations[id(conversation)] = conversation
         usage = {
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": len(job.generated),
             "cached_tokens": job.cached_tokens,
-            "kv_tokens_held": conversation.cache.physical_length(),
+            "kv_tokens_held": held_tokens,
         }
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-            self.metrics.completion_tokens.inc(len(job.generated))
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.completion_tokens.inc(len(job.generated))
         job.emit("done", {"finish_reason": reason, "usage": usage, "text": job.shown})
 
-    def _finish(self, job: Job, keep: Conversation | None) -> None:
-        """Take the job off the active list; keep its conversation for reuse, within the byte cap."""
-        with self._lock:
-            if job in self.active:
-                self.active.remove(job)
-            if keep is None:
-                return
-            keep.busy = False
-            keep.last_used = time.monotonic()
-            self.conversations[id(keep)] = keep
-            total = sum(c.allocated_bytes() for c in self.conversations.values())
-            while total > self.max_kv_bytes and len(self.conversations) > 1:
-                _, dropped = self.conversations.popitem(last=False)
-                total -= dropped.allocated_bytes()
+
+def _token_entry(logprobs: torch.Tensor, token: int, top: int) -> dict:
+    best = logprobs.topk(max(top, 1))
+    return {
+        "id": token,
+        "logprob": float(logprobs[token]),
+        "top": {int(i): float(v) for v, i in zip(best.values, best.indices, strict=True)} if top else None,
+    }
+
+
+def sampling_defaults(model) -> dict:
+    """A request's sampling defaults from the model's generation config, as `model.generate()`
+    would use it: greedy unless the config samples, then its temperature and top-p."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not getattr(config, "do_sample", False):
+        return {"temperature": 0.0, "top_p": 1.0}
+    return {"temperature": float(config.temperature or 1.0), "top_p": float(config.top_p or 1.0)}
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one token's keys and values take over all layers (fp32 slots, as the decoder keeps them)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * 4

@@ -1,0 +1,73 @@
+"""The one sampler and the one stop rule, shared by every token loop (the decoder, the server,
+streaming chat): how the next token is chosen, and which tokens end a generation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+_PROBE = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+
+
+def as_token_set(ids: int | Iterable[int] | None) -> set[int]:
+    if ids is None:
+        return set()
+    return {ids} if isinstance(ids, int) else {int(i) for i in ids}
+
+
+def template_tokens(tokenizer) -> set[int]:
+    """The special tokens the chat template writes around turns (end-of-turn, a new turn's start):
+    an answer that reaches one has ended, and none of them may show in its text."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return set()
+    try:
+        rendered = tokenizer.apply_chat_template(_PROBE, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this probe marks no tokens
+        return set()
+    special = set(tokenizer.all_special_ids) | {
+        token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
+    special.discard(tokenizer.unk_token_id)  # the probe's words may be unknown to a small vocabulary
+    return {token for token in tokenizer(rendered, add_special_tokens=False)["input_ids"] if token in special}
+
+
+def stop_tokens(model: torch.nn.Module, tokenizer=None) -> set[int]:
+    """The model's generation-config EOS ids, the tokenizer's EOS, and the chat template's turn tokens."""
+    config = getattr(model, "generation_config", None)
+    stops = as_token_set(getattr(config, "eos_token_id", None))
+    if tokenizer is not None:
+        stops |= as_token_set(tokenizer.eos_token_id) | template_tokens(tokenizer)
+    return stops
+
+
+def until_stop(row: list[int], stops: set[int]) -> list[int]:
+    """A row's tokens up to and including its first stop token."""
+    for index, token in enumerate(row):
+        if token in stops:
+            return row[: index + 1]
+    return row
+
+
+def choose(
+    logits: torch.Tensor,
+    temperature: float | list[float],
+    top_p: float | list[float],
+    generators: list[torch.Generator | None] | None,
+) -> torch.Tensor:
+    """The one sampler: the next token of each row [b] from logits [b, vocab], greedy where the
+    row's temperature is 0, else drawn from its top-p nucleus with the row's own generator (so a
+    row samples as its single-row run). `temperature` and `top_p` are one value or one per row."""
+    rows = logits.shape[0]
+    temperatures = temperature if isinstance(temperature, list) else [temperature] * rows
+    top_ps = top_p if isinstance(top_p, list) else [top_p] * rows
+    tokens = logits.argmax(-1)
+    for row, (t, p, generator) in enumerate(zip(temperatures, top_ps, generators or [None] * rows, strict=True)):
+        if t > 0:
+            probs = (logits[row] / t).softmax(-1)
+            if p < 1:
+                sorted_probs, order = probs.sort(descending=True)
+                outside = sorted_probs.cumsum(-1) - sorted_probs >= p
+                probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+    return tokens
