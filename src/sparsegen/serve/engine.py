@@ -68,7 +68,6 @@ class Conversation:
     text: str = ""
     unfed: list[int] = field(default_factory=list)
     nbytes: int = 0
-    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
