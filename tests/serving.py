@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -10,20 +9,15 @@ from contextlib import contextmanager
 import uvicorn
 
 from sparsegen.bench.measure import current_rss_mb
+from sparsegen.bench.serve import free_port
 from sparsegen.serve import build_app
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager
 def live_server(loaded, policy: str = "streaming", budget: dict | None = None, model_id: str = "tiny", **options):
     """Yield (base_url, app) of a server for `loaded` = (model, tokenizer); always shut down."""
     app = build_app(loaded, policy, budget, model_id=model_id, **options)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

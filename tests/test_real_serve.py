@@ -39,6 +39,27 @@ def test_streamed_chat_and_a_100_turn_conversation_in_bounded_memory(real):
         assert app.state.engine.held_kv_bytes() <= 2 * per_conversation
 
 
+def test_chat_answers_carry_no_template_tokens_across_prompts_and_sampling(real):
+    """The README's snippet as a user sends it (no sampling fields), and sampled variants: every
+    answer stops at the end of its turn and shows no chat-template token."""
+    questions = ["What is the capital of France?", "Write a haiku about rain.", "List three fruits.", "Hi!"]
+    settings = [{}, {"temperature": 0.7, "seed": 1}, {"temperature": 1.0, "top_p": 0.9, "seed": 2}]
+    specials = set(real[1].all_special_tokens) | {"<|im_start|>", "<|im_end|>"}
+    with live_server(real, "streaming", {"budget": 512}, model_id="smollm2-135m") as (url, _):
+        client = _client(url)
+        replies = [
+            client.chat.completions.create(
+                model="smollm2-135m", messages=[{"role": "user", "content": q}], max_tokens=48, **extra
+            )
+            for q in questions
+            for extra in settings
+        ]
+    texts = [r.choices[0].message.content for r in replies]
+    assert not [t for t in texts if any(s in t for s in specials) or "\nassistant" in t or "\nuser\n" in t]
+    assert any(r.choices[0].finish_reason == "stop" for r in replies)  # some answers end their turn
+    assert "Paris" in texts[0]  # the default (greedy, from the generation config) answers sensibly
+
+
 def test_lm_evals_completions_client_scores_through_the_server_as_in_process(real):
     with live_server(real, "full", model_id="smollm2-135m") as (url, _):
         args = (

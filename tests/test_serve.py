@@ -11,7 +11,7 @@ import torch
 from conftest import build_tiny, tiny_tokenizer
 from serving import conversation_rss, live_server
 
-from sparsegen.serve.engine import kv_bytes_per_token
+from sparsegen.models import kv_bytes_per_token
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}w4 {% else %}w5 {% endif %}{{ m['content'] }} </s> "
@@ -345,3 +345,35 @@ def test_sampling_defaults_come_from_the_generation_config():
     model.generation_config.do_sample, model.generation_config.temperature = True, 0.3
     model.generation_config.top_p = 0.9
     assert sampling_defaults(model) == {"temperature": 0.3, "top_p": 0.9}
+
+
+def test_bench_load_sees_every_answer_equal_to_its_single_request_run():
+    """`sparsegen bench serve`'s load generator: concurrent streamed clients, answers checked."""
+    from sparsegen.bench.serve import ServeConfig, run_load, single_request_answers
+
+    loaded = _loaded()
+    prompts = [[5 + i for i in range(length)] for length in (3, 17, 40)]
+    config = ServeConfig.parse("h2o:0.5")
+    with live_server(loaded, config.policy, {"budget": config.budget}, prefill_chunk=8) as (url, _):
+        point = run_load(url, "tiny", prompts, clients=3, requests=2, max_tokens=6)
+    references = single_request_answers(*loaded, config, prompts, 6, chunk=8)
+    assert len(point["answers"]) == 6
+    assert all(text == references[which] for which, text in point["answers"])
+    assert point["tokens_per_s"] > 0 and point["most_active"] >= 1 and point["refused"] == 0
+
+
+def test_soak_requests_get_their_answers_and_leave_no_row():
+    from sparsegen.bench.serve import SOAK_KINDS, soak_request
+
+    loaded = _loaded()
+    with live_server(loaded, "streaming", LARGE) as (url, _), httpx.Client() as client:
+        outcomes = [soak_request(client, url, "tiny", i, [5, 6, 7, 8], 8) for i in range(len(SOAK_KINDS) * 2)]
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").json()["active"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        health = httpx.get(f"{url}/health").json()
+    by_kind = {o["kind"]: o for o in outcomes}
+    assert by_kind["bad field"]["status"] == 400 and by_kind["too long"]["status"] == 400
+    assert by_kind["chat"]["status"] == 200 and by_kind["cancel"]["status"] == 200
+    assert all(o["tokens"] >= 1 for o in outcomes if o["kind"] == "greedy")
+    assert health["active"] == 0 and health["queued"] == 0

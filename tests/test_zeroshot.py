@@ -10,7 +10,8 @@ from lm_eval.api.instance import Instance
 import sparsegen
 from sparsegen import SparsegenError
 from sparsegen.eval import tasks as task_data
-from sparsegen.eval.harness import SparsegenLM, resolve_budget
+from sparsegen.eval.harness import SparsegenLM
+from sparsegen.kv.base import resolve_budget
 
 REQUESTS = [
     ("w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16", " w17 w18 w19"),

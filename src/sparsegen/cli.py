@@ -240,7 +240,9 @@ def chat(
 def serve(
     model: str = ModelOpt,
     policy: str = typer.Option("streaming", "--policy", help=POLICY_HELP),
-    budget: int | None = typer.Option(1024, "--budget", help="Total KV budget per conversation, in tokens."),
+    budget: str | None = typer.Option(
+        "1024", "--budget", help="KV budget per conversation: tokens (1024) or a share of each prompt (0.2)."
+    ),
     sinks: int | None = SinksOpt,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
@@ -262,7 +264,7 @@ def serve(
     application = build_app(
         model,
         policy,
-        budget_parts(budget, sinks, None, None),
+        budget_parts(count_or_share(budget), sinks, None, None),
         max_kv_bytes=max_kv_mb << 20,
         max_tokens_limit=max_tokens_limit,
         prefill_chunk=prefill_chunk,
@@ -270,6 +272,79 @@ def serve(
     )
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
     uvicorn.run(application, host=host, port=port, log_level="warning")
+
+
+@bench_app.command("serve")
+def bench_serve_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    configs: str = typer.Option(
+        "full,h2o:0.2,streaming:0.2", "--configs", help="Servers to measure: policy or policy:budget, comma-separated."
+    ),
+    baseline_src: Path | None = typer.Option(
+        None,
+        "--baseline-src",
+        help="Also measure another checkout's server (its src/, policy full), e.g. an old commit's.",
+    ),
+    clients: str = typer.Option("1,8,24", "--clients", help="Concurrent clients, comma-separated."),
+    prompt_tokens: str = typer.Option("64,256,1024", "--prompt-tokens", help="Prompt lengths, alternating."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Greedy tokens per request."),
+    requests: int = typer.Option(1, "--requests", help="Requests each client sends, one after another."),
+    max_kv_mb: int = typer.Option(256, "--max-kv-mb", help="The servers' KV memory (the same for every one)."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk"),
+    check: bool = typer.Option(True, "--check/--no-check", help="Compare answers with single-request generate()."),
+    out_dir: Path = typer.Option(Path("results/bench_serve"), "--out"),
+) -> None:
+    """Real HTTP clients against `sparsegen serve`: tokens/s, time to first token and inter-token
+    latency, rows admitted and queued, server RSS, per configuration and number of clients."""
+    from sparsegen.bench.serve import ServeConfig, bench_serve
+
+    servers = [ServeConfig.parse(spec) for spec in configs.split(",") if spec]
+    if baseline_src is not None:
+        if not (baseline_src / "sparsegen").is_dir():
+            raise SparsegenError(f"{baseline_src} has no sparsegen package; pass the src/ folder of a checkout")
+        servers.insert(0, ServeConfig(f"baseline {baseline_src}", "full", src=baseline_src.resolve()))
+    bench_serve(
+        model,
+        text,
+        servers,
+        tuple(int(c) for c in clients.split(",")),
+        tuple(int(p) for p in prompt_tokens.split(",")),
+        max_tokens,
+        requests,
+        max_kv_mb,
+        prefill_chunk=prefill_chunk,
+        check=check,
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+    )
+    out.print((out_dir / "bench_serve.md").read_text())
+    out.print(f"wrote {out_dir}/bench_serve.md, .json and two plots")
+
+
+@bench_app.command("soak")
+def bench_soak_command(
+    model: str = ModelOpt,
+    config: str = typer.Option("streaming:256", "--config", help="The server's policy or policy:budget."),
+    requests: int = typer.Option(200, "--requests"),
+    clients: int = typer.Option(16, "--clients"),
+    max_tokens: int = typer.Option(32, "--max-tokens"),
+    max_kv_mb: int = typer.Option(512, "--max-kv-mb"),
+    out_dir: Path = typer.Option(Path("results/bench_soak"), "--out"),
+) -> None:
+    """A bounded soak of `sparsegen serve`: greedy, cancelled, malformed, too long and chat requests
+    from many clients; the server's RSS along the way, rows left at the end, answers checked."""
+    from sparsegen.bench.measure import run_meta
+    from sparsegen.bench.serve import ServeConfig, soak
+    from sparsegen.ioutil import write_json
+
+    result = soak(
+        model, ServeConfig.parse(config), requests, clients, max_tokens, max_kv_mb, progress=lambda m: err.print(m)
+    )
+    write_json(out_dir / "bench_soak.json", {"meta": run_meta(model=model), **result})
+    for key, value in result.items():
+        out.print(f"{key}: {value}")
+    out.print(f"wrote {out_dir}/bench_soak.json")
 
 
 @bench_app.command("kv")
@@ -688,8 +763,10 @@ def prune_command(
     pattern: str = typer.Option("unstructured", "--pattern", help="unstructured, or N:M such as 2:4 or 4:8."),
     owl: bool = typer.Option(False, "--owl", help="OWL: per-layer ratios from outlier activations."),
     calib_text: str = typer.Option("shakespeare", "--calib-text", help="Embedded text name or a .txt file."),
-    n_samples: int = typer.Option(128, "--n-samples"),
-    seqlen: int = typer.Option(2048, "--seqlen"),
+    n_samples: int = typer.Option(
+        128, "--n-samples", help="Calibration sequences (the papers' 128; 32 with --seqlen 512 runs in minutes)."
+    ),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Tokens per calibration sequence."),
     seed: int = typer.Option(0, "--seed"),
     compressed: bool = typer.Option(False, "--compressed", help="Store bitmask-compressed weights (smaller)."),
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
@@ -859,7 +936,9 @@ def eval_ppl(
     model: str = ModelOpt,
     text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
     seqlen: int = typer.Option(2048, "--seqlen", help="Window length (stated with every result)."),
-    max_windows: int | None = typer.Option(None, "--max-windows", help="Evaluate only the first N windows."),
+    max_windows: int = typer.Option(
+        16, "--max-windows", help="Evaluate the first N windows (minutes on a CPU); 0: the whole text."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
 ) -> None:
     """Windowed perplexity: non-overlapping windows of SEQLEN, remainder dropped, exp(mean NLL)."""
@@ -869,7 +948,7 @@ def eval_ppl(
     from sparsegen.models import load
 
     loaded, tokenizer = load(model)
-    result = windowed_ppl(loaded, tokenize_long(tokenizer, load_text(text)), seqlen, max_windows)
+    result = windowed_ppl(loaded, tokenize_long(tokenizer, load_text(text)), seqlen, max_windows or None)
     summary = {"model": model, "text": text, **result.summary()}
     out.print(f"perplexity {result.ppl:.3f} ({result.windows} windows x {seqlen} tokens of {text})")
     if json_out is not None:

@@ -135,3 +135,11 @@ def calibration_samples(
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seqlen, (n_samples,), generator=generator)
     return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+
+
+def text_stretches(tokenizer: PreTrainedTokenizerBase, text: str, rows: int, length: int) -> list[list[int]]:
+    """`rows` different stretches of `length` tokens of the text (repeated where it is too short)."""
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=rows * length)
+    if ids.numel() < rows * length:
+        ids = ids.repeat(-(-rows * length // ids.numel()))
+    return [ids[r * length : (r + 1) * length].tolist() for r in range(rows)]

@@ -163,3 +163,12 @@ def load(
     if (Path(source) / SELECTORS_FILE).is_file():  # neuron selectors saved next to the weights
         load_selectors(model, source)
     return model, tokenizer
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one token's keys and values take over all layers, stored as `dtype` (the decoder's
+    slots are fp32 by default): what admission and memory bounds count."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * (torch.finfo(dtype).bits // 8)

@@ -9,6 +9,20 @@ from pathlib import Path
 from rich.table import Table
 
 
+def say_estimate(first_s: float, total: int, unit: str, hint: str = "") -> None:
+    """Say once, on stderr and above any progress bar, what a long loop will take in all, judged
+    from its first `unit` (`first_s` seconds); `hint` names the flag that makes it shorter."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    minutes = first_s * total / 60
+    span = f"{minutes:.0f} min" if minutes >= 1 else f"{first_s * total:.0f} s"
+    tqdm.write(
+        f"estimate: {total} {unit}s x {first_s:.1f} s = about {span}{f' ({hint})' if hint else ''}", file=sys.stderr
+    )
+
+
 def _fmt(value, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"

@@ -15,7 +15,9 @@ import torch
 from sparsegen.bench.kv import bytes_per_step, generate_latency
 from sparsegen.bench.measure import in_process as _in_process
 from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
+from sparsegen.models import kv_bytes_per_token
 from sparsegen.report import markdown_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -27,23 +29,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = torch.finfo(dtype).bits // 8
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
-
-
-def _prompts(tokenizer, text: str, rows: int, length: int) -> list[list[int]]:
-    """`rows` different stretches of `length` tokens of the text."""
-    from sparsegen.data import load_text, tokenize_long
-
-    ids = tokenize_long(tokenizer, load_text(text), max_tokens=rows * length)
-    if ids.numel() < rows * length:
-        ids = ids.repeat(-(-rows * length // ids.numel()))
-    return [ids[r * length : (r + 1) * length].tolist() for r in range(rows)]
-
-
 def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, rows, threads) -> dict:
     """Per-step time of the fast path after `context` tokens per row."""
     from sparsegen.bench.measure import peak_rss_mb
@@ -52,7 +37,7 @@ def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, r
 
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, dtype=DTYPES[dtype])
-    prompts = _prompts(tokenizer, text, rows, context)
+    prompts = text_stretches(tokenizer, text, rows, context)
     out = generate(model, prompts, new_tokens, policy=policy, compile="always", eos_token_id=[], **budget)
     held = context if policy == "full" else min(context, sum(budget.values()))
     return {

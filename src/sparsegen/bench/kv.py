@@ -111,8 +111,8 @@ def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int,
 
 def bytes_per_step(model_name: str) -> tuple[float, float]:
     """MB of weights a decode step reads, and MB of KV per held token (fp32)."""
-    from sparsegen.bench.decode import kv_bytes_per_token, weight_bytes
-    from sparsegen.models import load
+    from sparsegen.bench.decode import weight_bytes
+    from sparsegen.models import kv_bytes_per_token, load
 
     model, _ = load(model_name)
     return weight_bytes(model) / 1e6, kv_bytes_per_token(model, torch.float32) / 1e6

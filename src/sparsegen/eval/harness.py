@@ -21,29 +21,9 @@ from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.base import resolve_budget
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_budget(
-    policy: str, context_length: int, budget: int | float | None, parts: dict[str, int | float]
-) -> dict[str, int]:
-    """Token counts of a policy's budget for one request; float shares are of `context_length`.
-
-    Each part given as a share keeps at least one token, so short requests stay scorable.
-    """
-    from sparsegen.kv import POLICIES
-
-    def count(value: int | float) -> int:
-        return max(1, int(value * context_length)) if isinstance(value, float) else int(value)
-
-    if budget is None:
-        return {name: count(value) for name, value in parts.items()}
-    total = max(count(budget), 2)
-    sinks = parts.get("sinks")
-    if sinks is not None:
-        sinks = min(int(sinks), total // 2)  # a short request still keeps some recent tokens
-    return POLICIES[policy].split(total, sinks)
 
 
 @register_model("sparsegen")

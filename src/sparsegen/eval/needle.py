@@ -45,14 +45,15 @@ def build_prompt(tokenizer, filler_ids: torch.Tensor, length: int, depth: float,
 
 @torch.inference_mode()
 def retrieve(model, tokenizer, context: list[int], question: list[int], cache, chunk: int | None, answer_tokens=8):
-    """Read `context` into `cache` (compressing it), then the question; return the greedy answer text."""
+    """Read `context` into `cache` (compressing it), then answer the question greedily through the
+    one token loop, continuing that cache; return the answer's text."""
+    from sparsegen.decode import generate
+
     read(model, context, cache, chunk)
-    logits = read(model, question, cache)
-    answer = []
-    for _ in range(answer_tokens):
-        answer.append(int(logits.argmax()))
-        logits = read(model, answer[-1:], cache)
-    return tokenizer.decode(answer, skip_special_tokens=True)
+    made = generate(
+        model, [question], answer_tokens, cache.policy, position=cache.position, compile="never", held=[cache]
+    )
+    return tokenizer.decode(made.tokens[0], skip_special_tokens=True)
 
 
 def needle_job(

@@ -4,12 +4,14 @@ into non-overlapping windows of `seqlen` (the remainder dropped), ppl = exp(mean
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
+from sparsegen.report import say_estimate
 
 
 @dataclass
@@ -40,9 +42,12 @@ def windowed_ppl(
         raise SparsegenError(f"the text has {input_ids.numel()} tokens, fewer than one window of seqlen={seqlen}")
     device = next(model.parameters()).device
     total = 0.0
+    started = time.perf_counter()
     for w in tqdm(range(windows), desc=f"perplexity @ {seqlen}", unit="window", disable=not progress):
         window = input_ids[w * seqlen : (w + 1) * seqlen].to(device)[None]
         logits = model(window, use_cache=False).logits[0, :-1].float()
         total += torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+        if w == 0 and progress and windows > 1:
+            say_estimate(time.perf_counter() - started, windows, "window", "--max-windows for fewer")
     nll = total / (windows * (seqlen - 1))
     return PerplexityResult(math.exp(nll), nll, seqlen, windows, windows * seqlen)

@@ -99,8 +99,11 @@ def _check_count(name: str, value) -> None:
 
 
 def _resolve(value: int | float, prompt_length: int) -> int:
-    """An int is a count; a float in [0, 1) is a ratio of the prompt length (H2O's '20% cache')."""
-    return int(value * prompt_length) if isinstance(value, float) else value
+    """An int is a count; a float in [0, 1) is a ratio of the prompt length (H2O's '20% cache'),
+    at least one token when positive (a short prompt still keeps what its policy is about)."""
+    if not isinstance(value, float):
+        return value
+    return max(1, int(value * prompt_length)) if value > 0 else 0
 
 
 @dataclass
@@ -180,6 +183,22 @@ class Policy(ABC):
     def describe(self) -> str:
         values = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)]
         return f"{self.name}({', '.join(values)})"
+
+
+def resolve_budget(
+    policy: str, context_length: int, budget: int | float | None, parts: dict[str, int | float]
+) -> dict[str, int]:
+    """Token counts of a policy's budget for one request of `context_length` tokens, where a
+    float is a share of that context and a total `budget` includes the sinks (lm-eval requests:
+    each scored alone, so the whole budget is the request's). Short requests keep at least two
+    tokens, the sinks at most half of them."""
+    if budget is None:
+        return {name: _resolve(value, context_length) for name, value in parts.items()}
+    total = max(_resolve(budget, context_length), 2)
+    sinks = parts.get("sinks")
+    if sinks is not None:
+        sinks = min(int(sinks), total // 2)
+    return POLICIES[policy].split(total, sinks)
 
 
 def settings_help() -> str:

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from sparsegen.errors import SparsegenError
 from sparsegen.prune.base import InputStats, Pattern, make_pruner
 from sparsegen.prune.owl import outlier_ratio, owl_ratios
+from sparsegen.report import say_estimate
 
 
 @dataclass
@@ -155,7 +156,10 @@ def rewrite_layerwise(
     outputs of the already rewritten blocks before it (the standard sequential protocol);
     without, `stats` is None.
     """
+    started = time.perf_counter()
     for i, block in enumerate(tqdm(layers, desc=desc, unit="block", disable=not progress)):
+        if i == 1 and progress:
+            say_estimate(time.perf_counter() - started, len(layers), "block", "--n-samples and --seqlen scale it")
         if inputs is None:
             linears, stats = block_linears(block), {}
         else:

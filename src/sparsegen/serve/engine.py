@@ -32,6 +32,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.base import Policy, make_policy
 from sparsegen.kv.decode import read
+from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import choose, stop_tokens
 
 
@@ -431,11 +432,3 @@ def sampling_defaults(model) -> dict:
     if config is None or not getattr(config, "do_sample", False):
         return {"temperature": 0.0, "top_p": 1.0}
     return {"temperature": float(config.temperature or 1.0), "top_p": float(config.top_p or 1.0)}
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes one token's keys and values take over all layers (fp32 slots, as the decoder keeps them)."""
-    config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * 4

@@ -1,0 +1,402 @@
+"""`sparsegen bench serve`: real HTTP clients against `sparsegen serve`, one server per point.
+
+For each configuration (a KV policy and budget, or a baseline: another checkout's server) and
+each number of clients, the command starts `sparsegen serve` in its own process (so its peak RSS
+is its own), lets N client threads stream greedy completions back to back (prompts of the given
+lengths from the embedded text; a 429 waits its Retry-After and tries again), polls `/health` for
+the rows active and queued, and stops the server. Then it checks every answer against the
+single-request `sparsegen.generate` output of the same prompt, policy and prefill chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from sparsegen.errors import SparsegenError
+
+COLUMNS = [
+    ("config", "configuration"),
+    ("clients", "clients"),
+    ("tokens_per_s", "total tokens/s"),
+    ("ttft_p50", "TTFT p50 s"),
+    ("ttft_p99", "TTFT p99 s"),
+    ("itl_p50", "ITL p50 ms"),
+    ("itl_p99", "ITL p99 ms"),
+    ("most_active", "most rows active"),
+    ("most_queued", "most queued"),
+    ("refused", "429s"),
+    ("peak_rss_mb", "server peak RSS MB"),
+    ("of_bound", "fraction of bound"),
+    ("greedy_equal", "answers = single-request"),
+]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One server to measure: `label`, its KV `policy` and `budget`, and optionally the `src`
+    folder of another checkout whose server is measured instead (a baseline)."""
+
+    label: str
+    policy: str
+    budget: int | float | None = None
+    src: Path | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> ServeConfig:
+        """`full`, `h2o:0.2` (a share of each prompt) or `streaming:256` (tokens)."""
+        policy, _, budget = spec.partition(":")
+        if not budget:
+            return cls(spec, policy)
+        try:
+            value: int | float = int(budget)
+        except ValueError:
+            try:
+                value = float(budget)
+            except ValueError:
+                raise SparsegenError(f"{spec!r}: the budget after ':' must be a token count or a share") from None
+        return cls(spec, policy, value)
+
+
+def percentile(values: list[float], share: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(config: ServeConfig, model: str, port: int, options: list[str]) -> subprocess.Popen:
+    """`sparsegen serve` for `config` in a child process; returns once `/health` answers."""
+    command = [sys.executable, "-c", "from sparsegen.cli import main; main()", "serve", "--model", model]
+    command += ["--policy", config.policy, "--port", str(port), *options]
+    if config.budget is not None:
+        command += ["--budget", str(config.budget)]
+    env = dict(os.environ)
+    if config.src is not None:
+        env["PYTHONPATH"] = f"{config.src}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SparsegenError(f"the server for {config.label} exited: {server.stderr.read().strip()[-500:]}")
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+            return server
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    server.kill()
+    raise SparsegenError(f"the server for {config.label} did not answer in 300 s")
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory now (`VmRSS`) or at its peak (`VmHWM`), MB."""
+    with open(f"/proc/{pid}/status") as handle:
+        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith(field))
+
+
+def stream_completion(client: httpx.Client, base: str, body: dict) -> dict:
+    """One streamed completion: its text, time to first token, gaps between tokens, 429s met."""
+    refused = 0
+    while True:
+        sent = time.perf_counter()
+        stamps, pieces, usage = [], [], {}
+        with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as response:
+            if response.status_code == 429:
+                refused += 1
+                time.sleep(float(response.headers.get("Retry-After", 1)))
+                continue
+            if response.status_code != 200:
+                raise SparsegenError(f"the server answered {response.status_code}: {response.read()[:300]!r}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise SparsegenError(f"the server failed a request: {chunk['error']['message']}")
+                usage = chunk.get("usage") or usage
+                text = chunk["choices"][0]["text"]
+                if text:
+                    stamps.append(time.perf_counter())
+                    pieces.append(text)
+        return {
+            "text": "".join(pieces),
+            "tokens": usage.get("completion_tokens", len(pieces)),
+            "ttft": stamps[0] - sent if stamps else float("nan"),
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+            "refused": refused,
+            "started": sent,
+            "ended": time.perf_counter(),
+        }
+
+
+def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requests: int, max_tokens: int) -> dict:
+    """`clients` threads, each streaming `requests` greedy completions in turn; polls `/health`."""
+    results: list[dict] = []
+    failures: list[str] = []
+    most = {"active": 0, "queued": 0}
+    finished = threading.Event()
+
+    def client_thread(index: int) -> None:
+        with httpx.Client() as client:
+            for turn in range(requests):
+                which = (index * requests + turn) % len(prompts)
+                body = {"model": model, "prompt": prompts[which], "max_tokens": max_tokens, "temperature": 0}
+                try:
+                    results.append({"prompt": which, **stream_completion(client, base, {**body, "stream": True})})
+                except (SparsegenError, httpx.HTTPError) as exc:
+                    failures.append(str(exc))
+
+    def watch() -> None:
+        while not finished.wait(0.2):
+            try:
+                health = httpx.get(f"{base}/health", timeout=5).json()
+            except httpx.HTTPError:
+                continue
+            for key in most:
+                most[key] = max(most[key], health.get(key, 0))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    finished.set()
+    watcher.join()
+    if failures:
+        raise SparsegenError(f"{len(failures)} requests failed, the first: {failures[0]}")
+    wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
+    gaps = [g for r in results for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in results]
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p99": percentile(ttfts, 0.99),
+        "itl_p50": 1000 * percentile(gaps, 0.5),
+        "itl_p99": 1000 * percentile(gaps, 0.99),
+        "most_active": most["active"],
+        "most_queued": most["queued"],
+        "refused": sum(r["refused"] for r in results),
+        "answers": [(r["prompt"], r["text"]) for r in results],
+    }
+
+
+def single_request_answers(model, tokenizer, config: ServeConfig, prompts, max_tokens: int, chunk: int) -> list[str]:
+    """What `sparsegen.generate` answers to each prompt alone (greedy, the server's prefill chunk)."""
+    from sparsegen.decode import generate
+
+    budget = {} if config.budget is None else {"budget": config.budget}
+    answers = []
+    for ids in prompts:
+        made = generate(model, [ids], max_tokens, config.policy, compile="never", prefill_chunk=chunk, **budget)
+        answers.append(tokenizer.decode(made.tokens[0], skip_special_tokens=True))
+    return answers
+
+
+def bench_serve(
+    model_name: str,
+    text: str,
+    configs: list[ServeConfig],
+    clients: tuple[int, ...],
+    prompt_tokens: tuple[int, ...],
+    max_tokens: int,
+    requests: int,
+    max_kv_mb: int,
+    prefill_chunk: int = 512,
+    max_queue: int = 64,
+    distinct_prompts: int = 4,
+    check: bool = True,
+    out: Path = Path("results/bench_serve"),
+    progress=print,
+) -> dict:
+    """Measure every (configuration, clients) point; write `bench_serve.md`, `.json` and `.png`."""
+    import torch
+
+    from sparsegen.bench.decode import weight_bytes
+    from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+    from sparsegen.data import text_stretches
+    from sparsegen.ioutil import write_json, write_text
+    from sparsegen.models import load
+    from sparsegen.report import markdown_table, plot_lines
+
+    bandwidth = read_bandwidth_gbs()
+    model, tokenizer = load(model_name)
+    step_bytes = weight_bytes(model)
+    stretches = [text_stretches(tokenizer, text, distinct_prompts, length) for length in prompt_tokens]
+    prompts = [by_length[r] for r in range(distinct_prompts) for by_length in stretches]  # lengths alternate
+    options = ["--max-kv-mb", str(max_kv_mb), "--max-tokens-limit", str(max_tokens)]
+    rows = []
+    for config in configs:
+        references: dict[int, str] = {}
+        for count in clients:
+            progress(f"{config.label}: {count} clients x {requests} requests of {max_tokens} tokens")
+            extra = [] if config.src else ["--prefill-chunk", str(prefill_chunk), "--max-queue", str(max_queue)]
+            port = free_port()
+            server = start_server(config, model_name, port, options + extra)
+            try:
+                point = run_load(f"http://127.0.0.1:{port}", model_name, prompts, count, requests, max_tokens)
+                point["peak_rss_mb"] = rss_mb(server.pid, "VmHWM")
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+            answers = point.pop("answers")
+            if check:
+                missing = sorted({which for which, _ in answers} - references.keys())
+                progress(f"{config.label}: single-request answers of {len(missing)} more prompts")
+                with torch.inference_mode():
+                    made = single_request_answers(
+                        model, tokenizer, config, [prompts[i] for i in missing], max_tokens, prefill_chunk
+                    )
+                references.update(zip(missing, made, strict=True))
+                equal = sum(text == references[which] for which, text in answers)
+                point["greedy_equal"] = f"{equal}/{len(answers)}"
+            bound = point["most_active"] * bandwidth * 1e9 / step_bytes
+            rows.append({"config": config.label, "clients": count, **point, "of_bound": point["tokens_per_s"] / bound})
+    meta = run_meta(
+        model=model_name,
+        text=text,
+        prompt_tokens=list(prompt_tokens),
+        max_tokens=max_tokens,
+        requests_per_client=requests,
+        max_kv_mb=max_kv_mb,
+        prefill_chunk=prefill_chunk,
+        bandwidth_gbs=bandwidth,
+        weight_mb=step_bytes / 1e6,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench_serve.json", {"meta": meta, "rows": rows})
+    head = (
+        f"`{model_name}`, prompts of {','.join(map(str, prompt_tokens))} tokens from `{text}`, {max_tokens} "
+        f"greedy tokens each, {requests} requests per client, --max-kv-mb {max_kv_mb}, {meta['machine']}, "
+        f"{meta['date']}. Bound: most rows active x {bandwidth:.1f} GB/s / {step_bytes / 1e6:.0f} MB of weights.\n\n"
+    )
+    write_text(out / "bench_serve.md", head + markdown_table(rows, COLUMNS))
+    for key, label, name in (("tokens_per_s", "total tokens/s", "tokens"), ("itl_p99", "p99 inter-token ms", "p99")):
+        plot_lines(
+            {
+                c.label: (
+                    [r["clients"] for r in rows if r["config"] == c.label],
+                    [r[key] for r in rows if r["config"] == c.label],
+                )
+                for c in configs
+            },
+            out / f"bench_serve_{name}.png",
+            xlabel="concurrent clients",
+            ylabel=label,
+            title=f"{model_name}: sparsegen serve, --max-kv-mb {max_kv_mb}",
+        )
+    return {"meta": meta, "rows": rows}
+
+
+SOAK_KINDS = ("greedy", "greedy", "greedy", "greedy", "greedy", "cancel", "bad field", "too long", "chat", "greedy")
+BAD_FIELDS = ({"temperature": 5}, {"kv_policy": "nope"}, {"max_tokens": -1}, {"top_p": 0}, {"kv_budget": -3})
+
+
+def soak_request(client: httpx.Client, base: str, model: str, index: int, prompt: list[int], max_tokens: int) -> dict:
+    """Request `index` of the soak, of kind `SOAK_KINDS[index % 10]`: what happened to it."""
+    kind = SOAK_KINDS[index % len(SOAK_KINDS)]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if kind == "greedy":
+        return {"kind": kind, **stream_completion(client, base, {**body, "stream": True})}
+    if kind == "cancel":  # read a few tokens, then hang up
+        with client.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=600) as response:
+            for seen, _ in enumerate(response.iter_lines()):
+                if seen >= 3:
+                    break
+        return {"kind": kind, "status": response.status_code}
+    if kind == "chat":
+        messages = [{"role": "user", "content": f"Say something about the number {index}."}]
+        answer = client.post(f"{base}/v1/chat/completions", json={**body, "messages": messages}, timeout=600)
+        return {"kind": kind, "status": answer.status_code}
+    if kind == "too long":  # more than the model's positions under the unbounded policy
+        body = {**body, "prompt": prompt * (9000 // len(prompt) + 1), "kv_policy": "full"}
+    else:
+        body = {**body, **BAD_FIELDS[index // len(SOAK_KINDS) % len(BAD_FIELDS)]}
+    answer = client.post(f"{base}/v1/completions", json=body, timeout=600)
+    return {"kind": kind, "status": answer.status_code, "error": answer.json().get("error", {}).get("message")}
+
+
+def soak(
+    model_name: str,
+    config: ServeConfig,
+    requests: int = 200,
+    clients: int = 16,
+    max_tokens: int = 32,
+    max_kv_mb: int = 512,
+    text: str = "shakespeare",
+    progress=print,
+) -> dict:
+    """`requests` mixed requests from `clients` threads (greedy, cancelled, bad fields, too long,
+    chat) against one server: its RSS along the way, rows left at the end, greedy answers checked."""
+    from sparsegen.data import text_stretches
+    from sparsegen.models import load
+
+    model, tokenizer = load(model_name)
+    prompts = [p for length in (24, 96, 200) for p in text_stretches(tokenizer, text, 4, length)]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(config, model_name, port, ["--max-kv-mb", str(max_kv_mb), "--max-tokens-limit", "4096"])
+    outcomes: list[dict] = []
+    rss: list[tuple[int, float]] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+
+    def client_thread() -> None:
+        with httpx.Client() as client:
+            for index in counter:
+                try:
+                    outcome = soak_request(client, base, model_name, index, prompts[index % len(prompts)], max_tokens)
+                except (SparsegenError, httpx.HTTPError) as exc:
+                    outcome = {"kind": "failed", "error": str(exc)}
+                with lock:
+                    outcomes.append({"index": index, **outcome})
+                    if len(outcomes) % 20 == 0:
+                        rss.append((len(outcomes), rss_mb(server.pid)))
+                        progress(f"{len(outcomes)} requests answered, server RSS {rss[-1][1]:.0f} MB")
+
+    try:
+        threads = [threading.Thread(target=client_thread) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        time.sleep(1.5)  # the worker notices hung-up clients between steps
+        health = httpx.get(f"{base}/health", timeout=10).json()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    greedy = [o for o in outcomes if o["kind"] == "greedy"]
+    progress(f"single-request answers of {len(prompts)} prompts")
+    references = single_request_answers(model, tokenizer, config, prompts, max_tokens, 512)
+    equal = sum(o["text"] == references[o["index"] % len(prompts)] for o in greedy)
+    statuses: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        key = str(o.get("status", "200" if o["kind"] == "greedy" else "-"))
+        statuses.setdefault(o["kind"], {}).setdefault(key, 0)
+        statuses[o["kind"]][key] += 1
+    return {
+        "config": config.label,
+        "requests": len(outcomes),
+        "statuses": statuses,
+        "greedy_equal": f"{equal}/{len(greedy)}",
+        "rss_mb": rss,
+        "left_active": health.get("active"),
+        "left_queued": health.get("queued"),
+        "failures": [o["error"] for o in outcomes if o["kind"] == "failed"][:5],
+    }
