@@ -1,7 +1,8 @@
 """Generate behind a soft prompt whose KV is computed once and reused by every request.
 
 The prompt's keys and values are read into a policy cache once; each request starts from a copy
-of that state (`PolicyCache.load_state_dict`), so the k virtual tokens are never re-run. They are
+of that state (`PolicyCache.load_state_dict`), so the k virtual tokens are never re-run, and
+decodes through the one token loop (`sparsegen.decode.generate` continuing that cache). They are
 pinned: no KV policy evicts them, and they come on top of its budget.
 """
 
@@ -38,16 +39,22 @@ class PromptedModel:
         cache.load_state_dict(copy.deepcopy(self._prefix_state))
         return cache
 
-    def generate(self, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
-        """`model.generate` after the soft prompt; returns the ids of the text and what was generated.
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, **options) -> torch.Tensor:
+        """Generate after the soft prompt through sparsegen's token loop, continuing a copy of the
+        prompt's cache; returns the ids of the text and what was generated [1, n + new].
 
-        `input_ids` [1, n]: the cached prompt stands in front as k placeholder ids, which
-        `generate()` skips because the cache already holds their positions.
+        `options` go to `sparsegen.decode.generate` (temperature, top_p, seed, compile, ...).
         """
-        k = self.prompt.tokens
-        placeholder = torch.full((input_ids.shape[0], k), 0, dtype=input_ids.dtype, device=input_ids.device)
-        ids = torch.cat([placeholder, input_ids], dim=1)
-        output = self.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=self.cache(), **generate_kwargs
+        from sparsegen.decode import generate
+
+        cache = self.cache()
+        made = generate(
+            self.model,
+            input_ids.tolist(),
+            max_new_tokens,
+            cache.policy,
+            position=cache.position,
+            held=[cache],
+            **options,
         )
-        return output[:, k:]
+        return torch.cat([input_ids, torch.tensor(made.tokens, dtype=input_ids.dtype, device=input_ids.device)], dim=1)
