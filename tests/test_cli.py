@@ -237,3 +237,18 @@ def test_prune_bad_method_is_a_clear_error(monkeypatch, capsys, tiny_folder, tmp
         monkeypatch, capsys, "prune", "--model", tiny_folder, "--method", "obs", "--out", tmp_path / "x"
     )
     assert code == 2 and "unknown pruning method 'obs'" in err
+
+
+def test_the_cli_starts_without_torch_and_its_catalog_is_the_registries(tmp_path, monkeypatch):
+    """`sparsegen --help` reads the registries' names from a cached catalog, rebuilt when stale."""
+    import subprocess
+
+    from sparsegen.catalog import catalog, read_registries
+
+    monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path))
+    (tmp_path / "cli_catalog.json").write_text(json.dumps({"key": "stale", "registries": {"policies": ["gone"]}}))
+    assert catalog() == read_registries()  # a stale catalog is rebuilt from the registries
+    assert "h2o" in catalog()["policies"] and "wanda" in catalog()["pruners"]
+    probe = "import sys, sparsegen.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert started.stdout.split() == ["False", "False"]

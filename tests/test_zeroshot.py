@@ -195,3 +195,12 @@ def test_a_benchmark_row_is_reused_only_for_the_same_tasks_and_items(tmp_path):
     assert _done(tmp_path, ["piqa", "copa"], 100) == summary
     assert _done(tmp_path, ["piqa", "copa"], 60) is None
     assert _done(tmp_path, ["piqa"], 100) is None
+
+
+def test_lowering_the_sinks_for_a_short_request_is_said_once(capsys):
+    lm = _lm(build_tiny("llama"), policy="streaming", budget=0.5, sinks=4)
+    lm._make_cache(6)  # a 3-token budget keeps at most 1 sink
+    lm._make_cache(4)
+    lm._make_cache(400)  # long enough: the 4 sinks stay, nothing to say
+    said = capsys.readouterr().err
+    assert said.count("sinks lowered to 1 for a 6-token request") == 1 and "lowered to 1 for a 4" not in said

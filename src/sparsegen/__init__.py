@@ -1,9 +1,22 @@
 """sparsegen: cheaper and longer LLM generation through sparsity."""
 
-from sparsegen.data import load_text, tokenize_long
-from sparsegen.decode import generate
-from sparsegen.errors import SparsegenError
-from sparsegen.models import DEFAULT_MODEL, load
+import importlib
 
-__all__ = ["DEFAULT_MODEL", "SparsegenError", "generate", "load", "load_text", "tokenize_long"]
+from sparsegen.errors import SparsegenError
+
 __version__ = "0.1.0"
+_API = {
+    "DEFAULT_MODEL": "sparsegen.models",
+    "generate": "sparsegen.decode",
+    "load": "sparsegen.models",
+    "load_text": "sparsegen.data",
+    "tokenize_long": "sparsegen.data",
+}
+__all__ = ["SparsegenError", *_API]
+
+
+def __getattr__(name: str):
+    """The API, imported when first used: `sparsegen --help` and the CLI start without torch."""
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'sparsegen' has no attribute {name!r}")

@@ -8,11 +8,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from sparsegen.contextual import SELECTORS
+from sparsegen.catalog import catalog
 from sparsegen.errors import SparsegenError
-from sparsegen.kv import POLICIES, settings_help
-from sparsegen.prune import PRUNERS as PRUNER_NAMES
-from sparsegen.quant import QUANTIZERS as QUANTIZER_NAMES
 
 app = typer.Typer(
     help="Cheaper and longer LLM generation through sparsity.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -31,7 +28,8 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder or hub id.")
-POLICY_HELP = f"KV policy. {settings_help()}."
+METHODS = catalog()  # the registries' names and help, read without torch once they are cached
+POLICY_HELP = f"KV policy. {METHODS['policy_help']}."
 PolicyOpt = typer.Option("full", "--policy", help=POLICY_HELP)
 BudgetOpt = typer.Option(None, "--budget", help="Total KV budget in tokens (split as the policy needs).")
 SinksOpt = typer.Option(None, "--sinks", help="Initial tokens always kept (streaming policies).")
@@ -144,9 +142,9 @@ def stream(
     model: str = ModelOpt,
     text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
     policies: str = typer.Option(
-        ",".join(name for name, policy in POLICIES.items() if not policy.prefill_only),
+        ",".join(METHODS["streamable_policies"]),
         "--policies",
-        help=f"Comma-separated, of {', '.join(sorted(POLICIES))}; full always runs as the reference, up to the "
+        help=f"Comma-separated, of {', '.join(METHODS['policies'])}; full always runs as the reference, up to the "
         "model's window.",
     ),
     budget: int | None = typer.Option(None, "--budget", help="Total KV budget per policy [default: 1024]."),
@@ -540,9 +538,7 @@ def bench_compress_prompt_command(
     out.print((out_dir / "bench_compress_prompt.md").read_text())
 
 
-SELECTOR_HELP = "; ".join(
-    f"{name}: {(cls.__doc__ or '').strip().splitlines()[0].rstrip('.')}" for name, cls in SELECTORS.items()
-)
+SELECTOR_HELP = "; ".join(f"{name}: {summary}" for name, summary in METHODS["selectors"].items())
 HeadSparsityOpt = typer.Option(
     0.0,
     "--head-sparsity",
@@ -681,7 +677,7 @@ def contextual_eval_command(
     from sparsegen.models import load
     from sparsegen.report import markdown_table, plot_lines
 
-    names = registered_names(selectors, SELECTORS, "neuron selector")
+    names = registered_names(selectors, METHODS["selectors"], "neuron selector")
     loaded, tokenizer = load(model)
     calibration = calibration_samples(tokenizer, load_text(calib_text), 8, 256)
     ids = tokenize_long(tokenizer, load_text(text))
@@ -758,7 +754,7 @@ def bench_contextual_command(
 @app.command("prune")
 def prune_command(
     model: str = ModelOpt,
-    method: str = typer.Option("wanda", "--method", help="Pruner: " + ", ".join(sorted(PRUNER_NAMES)) + "."),
+    method: str = typer.Option("wanda", "--method", help="Pruner: " + ", ".join(METHODS["pruners"]) + "."),
     sparsity: float = typer.Option(0.5, "--sparsity", help="Share of zeros per layer (unstructured)."),
     pattern: str = typer.Option("unstructured", "--pattern", help="unstructured, or N:M such as 2:4 or 4:8."),
     owl: bool = typer.Option(False, "--owl", help="OWL: per-layer ratios from outlier activations."),
@@ -816,7 +812,7 @@ def quantize_command(
     group_size: int = typer.Option(
         128, "--group-size", help="Inputs per scale (the largest divisor of a row's inputs not above it)."
     ),
-    method: str = typer.Option("rtn", "--method", help="Quantizer: " + ", ".join(sorted(QUANTIZER_NAMES)) + "."),
+    method: str = typer.Option("rtn", "--method", help="Quantizer: " + ", ".join(METHODS["quantizers"]) + "."),
     symmetric: bool = typer.Option(
         False, "--symmetric/--asymmetric", help="Levels around zero, or a zero point per group."
     ),
@@ -973,7 +969,7 @@ def eval_needle(
     from sparsegen.models import load
     from sparsegen.report import markdown_table
 
-    names = registered_names(policies, POLICIES, "KV policy")
+    names = registered_names(policies, METHODS["policies"], "KV policy")
     depth_list = [float(d) for d in depths.split(",")]
     loaded, tokenizer = load(model)
     rows = needle_job(

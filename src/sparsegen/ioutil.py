@@ -8,8 +8,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def _atomic(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,4 +30,6 @@ def write_text(path: Path, text: str) -> None:
 
 
 def save_torch(path: Path, obj: Any) -> None:
+    import torch  # here, so that the modules that only write JSON or text start without torch
+
     _atomic(Path(path), lambda h: torch.save(obj, h))

@@ -15,6 +15,8 @@ pass. Budgets that are floats are shares of each request's context (H2O's "20% c
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
@@ -86,6 +88,8 @@ class SparsegenLM(HFLM):
             **kwargs,
         )
 
+    said_sinks_lowered = False
+
     @property
     def uses_policy(self) -> bool:
         return self.policy != "full"
@@ -113,6 +117,14 @@ class SparsegenLM(HFLM):
         from sparsegen.kv import make_cache
 
         counts = resolve_budget(self.policy, context_length, self.budget, self.parts)
+        asked = self.parts.get("sinks")
+        if asked is not None and counts.get("sinks", asked) < asked and not self.said_sinks_lowered:
+            self.said_sinks_lowered = True  # once: the rule follows from the recorded budget and sinks
+            print(
+                f"sinks lowered to {counts['sinks']} for a {context_length}-token request (sinks are at most half "
+                f"a request's budget); longer requests keep {asked}",
+                file=sys.stderr,
+            )
         return make_cache(self.model, self.policy, position=self.position, **counts)
 
     @torch.inference_mode()
