@@ -243,10 +243,10 @@ def test_the_cli_starts_without_torch_and_its_catalog_is_the_registries(tmp_path
     """`sparsegen --help` reads the registries' names from a cached catalog, rebuilt when stale."""
     import subprocess
 
-    from sparsegen.catalog import catalog, read_registries
+    from sparsegen.catalog import catalog, catalog_path, read_registries
 
     monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path))
-    (tmp_path / "cli_catalog.json").write_text(json.dumps({"key": "stale", "registries": {"policies": ["gone"]}}))
+    catalog_path().write_text(json.dumps({"key": "stale", "registries": {"policies": ["gone"]}}))
     assert catalog() == read_registries()  # a stale catalog is rebuilt from the registries
     assert "h2o" in catalog()["policies"] and "wanda" in catalog()["pruners"]
     probe = "import sys, sparsegen.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"

@@ -43,12 +43,18 @@ def _fingerprint() -> str:
     return f"{__version__}:{hashlib.sha256(json.dumps(stats).encode()).hexdigest()}"
 
 
+def catalog_path() -> Path:
+    """Where this installation's catalog is kept (one per source folder: checkouts do not share)."""
+    from sparsegen.assets import cache_dir
+
+    return cache_dir() / f"cli_catalog-{hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]}.json"
+
+
 def catalog() -> dict:
     """`read_registries()`, kept in the cache folder while no source file changes."""
-    from sparsegen.assets import cache_dir
     from sparsegen.ioutil import write_json
 
-    path = cache_dir() / "cli_catalog.json"
+    path = catalog_path()
     key = _fingerprint()
     try:
         stored = json.loads(path.read_text())
