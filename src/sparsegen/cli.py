@@ -257,6 +257,7 @@ def serve(
     decode step, with a bounded KV cache per conversation (kv_policy / kv_budget per request)."""
     import uvicorn
 
+    from sparsegen.kv.base import count_or_share
     from sparsegen.serve import build_app
 
     application = build_app(
@@ -996,23 +997,6 @@ def eval_needle(
     out.print(f"wrote {out_dir}/needle.json and {out_dir}/needle.png")
 
 
-def count_or_share(value: str | None) -> int | float | None:
-    """A budget option: an int is a token count, a float in (0, 1) a share of each request."""
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        pass
-    try:
-        share = float(value)
-    except ValueError:
-        raise SparsegenError(f"{value!r} is not a token count (int) or a share of the request (float)") from None
-    if not 0 < share < 1:
-        raise SparsegenError(f"a budget share must be in (0, 1), got {share}")
-    return share
-
-
 @eval_app.command("zeroshot")
 def eval_zeroshot(
     model: str = ModelOpt,
@@ -1032,6 +1016,7 @@ def eval_zeroshot(
     from sparsegen.eval.harness import SparsegenLM
     from sparsegen.eval.tasks import TASKS, check_tasks
     from sparsegen.eval.zeroshot import ZEROSHOT_COLUMNS, summary_rows, zeroshot_job
+    from sparsegen.kv.base import count_or_share
     from sparsegen.report import table
 
     names = check_tasks([t.strip() for t in tasks.split(",") if t.strip()] if tasks else list(TASKS))

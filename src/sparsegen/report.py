@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,8 +13,6 @@ from rich.table import Table
 def say_estimate(first_s: float, total: int, unit: str, hint: str = "") -> None:
     """Say once, on stderr and above any progress bar, what a long loop will take in all, judged
     from its first `unit` (`first_s` seconds); `hint` names the flag that makes it shorter."""
-    import sys
-
     from tqdm.auto import tqdm
 
     minutes = first_s * total / 60

@@ -54,17 +54,10 @@ class ServeConfig:
     @classmethod
     def parse(cls, spec: str) -> ServeConfig:
         """`full`, `h2o:0.2` (a share of each prompt) or `streaming:256` (tokens)."""
+        from sparsegen.kv.base import count_or_share
+
         policy, _, budget = spec.partition(":")
-        if not budget:
-            return cls(spec, policy)
-        try:
-            value: int | float = int(budget)
-        except ValueError:
-            try:
-                value = float(budget)
-            except ValueError:
-                raise SparsegenError(f"{spec!r}: the budget after ':' must be a token count or a share") from None
-        return cls(spec, policy, value)
+        return cls(spec, policy, count_or_share(budget or None))
 
 
 def percentile(values: list[float], share: float) -> float:

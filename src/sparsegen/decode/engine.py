@@ -56,20 +56,20 @@ def _gemv_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
-def use_gemv(model: torch.nn.Module) -> None:
+def use_gemv(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """Give every `nn.Linear` of `model` the decode step's few-row product (`linear`), for good:
-    the compiled step's graph is traced through it. The values are `F.linear`'s."""
-    for module in model.modules():
-        if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
-            module.forward = types.MethodType(_gemv_forward, module)
+    the compiled step's graph is traced through it. The values are `F.linear`'s. Returns the
+    layers it changed."""
+    patched = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
+    for module in patched:
+        module.forward = types.MethodType(_gemv_forward, module)
+    return patched
 
 
 @contextmanager
 def few_row_linears(model: torch.nn.Module):
     """`use_gemv` for one eager step only: the model is left as it was given."""
-    patched = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
-    for module in patched:
-        module.forward = types.MethodType(_gemv_forward, module)
+    patched = use_gemv(model)
     try:
         yield
     finally:

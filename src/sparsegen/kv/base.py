@@ -185,6 +185,24 @@ class Policy(ABC):
         return f"{self.name}({', '.join(values)})"
 
 
+def count_or_share(value: str | None) -> int | float | None:
+    """A budget as written (a CLI option, a bench setting): an int is a token count, a float in
+    (0, 1) a share of each request."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        share = float(value)
+    except ValueError:
+        raise SparsegenError(f"{value!r} is not a token count (int) or a share of the request (float)") from None
+    if not 0 < share < 1:
+        raise SparsegenError(f"a budget share must be in (0, 1), got {share}")
+    return share
+
+
 def resolve_budget(
     policy: str, context_length: int, budget: int | float | None, parts: dict[str, int | float]
 ) -> dict[str, int]:
