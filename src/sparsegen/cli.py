@@ -380,17 +380,34 @@ def bench_decode_command(
     model: str = ModelOpt,
     text: str = typer.Option("shakespeare", "--text"),
     context: int = typer.Option(1024, "--context", help="Tokens before decoding starts."),
-    long_context: int = typer.Option(8000, "--long-context", help="Context of the streaming vs dense comparison."),
+    long_context: int = typer.Option(
+        8000, "--long-context", help="Context of the streaming vs dense comparison (0: skip it)."
+    ),
     cache: int = typer.Option(1024, "--cache", help="Streaming cache size (4 sinks + the rest recent)."),
     new_tokens: int = typer.Option(96, "--new-tokens", help="Tokens decoded per measurement."),
+    quantized: bool = typer.Option(
+        True, "--quantized/--no-quantized", help="Add int8 and int4 (RTN) checkpoints decoding packed."
+    ),
+    llama_cpp: str | None = typer.Option(
+        None, "--llama-cpp", help="A Python with llama-cpp-python installed: adds llama.cpp on the model's GGUF."
+    ),
     out_dir: Path = typer.Option(Path("results/bench_decode"), "--out"),
 ) -> None:
-    """The fast decode path vs generate() (fp32, bf16 weights), and streaming vs dense, against the
-    memory-bandwidth bound measured in the same run."""
+    """The fast decode path vs generate() (fp32, bf16 weights, int8/int4 packed, llama.cpp), and
+    streaming vs dense, against the memory-bandwidth bound measured in the same run."""
     from sparsegen.bench.decode import bench_decode
 
     bench_decode(
-        model, text, context, long_context, new_tokens, cache, out=out_dir, progress=lambda m: err.print(f"[dim]{m}[/]")
+        model,
+        text,
+        context,
+        long_context,
+        new_tokens,
+        cache,
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+        quantized=quantized,
+        llama_cpp=llama_cpp,
     )
     out.print((out_dir / "bench_decode.md").read_text())
     out.print(f"wrote {out_dir}/bench_decode.md and .json")
@@ -578,7 +595,7 @@ def contextual_measure_command(
 
     if not 0 < tolerance < 1:
         raise SparsegenError(f"--tolerance must be in (0, 1), got {tolerance}")
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)[None]
     with err.status(f"measuring {ids.shape[1]} tokens of {text}"):
         rows = measure_existence(loaded, ids, tolerance)
@@ -633,7 +650,7 @@ def contextual_train_command(
     from sparsegen.models import load
     from sparsegen.report import markdown_table
 
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
     calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
     selectors = sparsify(
         loaded, selector, sparsity, calibration, dense_layers=dense_layers, head_sparsity=head_sparsity
@@ -679,7 +696,7 @@ def contextual_eval_command(
     from sparsegen.report import markdown_table, plot_lines
 
     names = registered_names(selectors, METHODS["selectors"], "neuron selector")
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
     calibration = calibration_samples(tokenizer, load_text(calib_text), 8, 256)
     ids = tokenize_long(tokenizer, load_text(text))
     rows = quality_curve(
@@ -779,7 +796,7 @@ def prune_command(
     started = time.perf_counter()
     if method not in PRUNERS:
         raise SparsegenError(f"unknown pruning method {method!r}; choose one of: {', '.join(sorted(PRUNERS))}")
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
     calibration = None
     if PRUNERS[method].needs_calibration or owl:
         calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
@@ -810,8 +827,11 @@ def prune_command(
 def quantize_command(
     model: str = ModelOpt,
     bits: int = typer.Option(4, "--bits", help="2 to 8 bits per weight."),
-    group_size: int = typer.Option(
-        128, "--group-size", help="Inputs per scale (the largest divisor of a row's inputs not above it)."
+    group_size: int | None = typer.Option(
+        None,
+        "--group-size",
+        help="Inputs per scale (the largest divisor of a row's inputs not above it); 0: one scale a row. "
+        "Default: 128 up to 4 bits, 0 above (the layouts the CPU's int4 and int8 kernels run).",
     ),
     method: str = typer.Option("rtn", "--method", help="Quantizer: " + ", ".join(METHODS["quantizers"]) + "."),
     symmetric: bool = typer.Option(
@@ -835,12 +855,13 @@ def quantize_command(
     started = time.perf_counter()
     if method not in QUANTIZERS:
         raise SparsegenError(f"unknown quantization method {method!r}; choose one of: {', '.join(sorted(QUANTIZERS))}")
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
     calibration = None
     if QUANTIZERS[method].needs_calibration:
         calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
     report = quantize(loaded, method, bits, group_size, symmetric, calibration=calibration)
-    for used in sorted({g for g in report.group_sizes.values() if g != group_size}):
+    group_size = report.group_size
+    for used in sorted({g for g in report.group_sizes.values() if g != group_size and group_size}):
         layers = sorted(name for name, g in report.group_sizes.items() if g == used)
         err.print(
             f"group size {group_size} does not divide the inputs of {len(layers)} layer(s) ({layers[0]}, ...): "
@@ -879,7 +900,7 @@ def prompt_train_command(
     from sparsegen.models import load
     from sparsegen.prompt import PromptTraining, train_prompt
 
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
     samples = calibration_samples(tokenizer, load_text(text), n_samples, seqlen, seed)
     settings = PromptTraining(tokens=tokens, steps=steps, lr=lr, batch=batch, distill=distill, seed=seed)
     teacher_model = load(teacher)[0] if teacher else None

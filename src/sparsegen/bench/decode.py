@@ -15,17 +15,21 @@ import torch
 from sparsegen.bench.kv import bytes_per_step, generate_latency
 from sparsegen.bench.measure import in_process as _in_process
 from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+from sparsegen.bench.quantized import llama_cpp_row, quality_worker, quantized_checkpoints
 from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.models import kv_bytes_per_token
+from sparsegen.quant.packed import PackedLinear
 from sparsegen.report import markdown_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a step reads of the weights: each distinct parameter once (tied embeddings once)."""
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    """Bytes a step reads of the weights: each distinct parameter or packed layer's buffer once
+    (tied embeddings once), as stored: a packed layer counts its integers, scales and offsets."""
+    packed = [b for m in model.modules() if isinstance(m, PackedLinear) for b in m.buffers(recurse=False)]
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *packed]}
     return sum(seen.values())
 
 
@@ -105,6 +109,7 @@ DECODE_COLUMNS = [
     ("config", "configuration"),
     ("ms", "ms/token"),
     ("speedup", "vs generate() fp32"),
+    ("vs_fast_fp32", "vs fast fp32"),
     ("weight_mb", "weights MB"),
     ("kv_mb", "KV MB"),
     ("bound_ms", "bound ms"),
@@ -124,9 +129,14 @@ def bench_decode(
     threads: int | None = None,
     out: Path = Path("results/bench_decode"),
     progress=print,
+    quantized: bool = True,
+    llama_cpp: str | None = None,
+    quality_text: str = "milton",
 ) -> dict:
-    """generate() vs the fast path (fp32, bf16 weights) at `context`, then streaming (4 sinks +
-    the rest of `cache`) vs dense after `long_context` tokens, each against the byte model."""
+    """generate() vs the fast path (fp32, bf16 weights, and int8 / int4 packed checkpoints with
+    their perplexity on `quality_text` against their dequantized selves; llama.cpp on the model's
+    GGUF under the interpreter `llama_cpp`) at `context`, then streaming (4 sinks + the rest of
+    `cache`) vs dense after `long_context` tokens (0: skipped), each against the byte model."""
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
     progress(f"read bandwidth {bandwidth:.1f} GB/s; generate() fp32 after {context} tokens")
@@ -134,40 +144,80 @@ def bench_decode(
     weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name)
     base = {"ms": ms, "rss": rss, "weight_mb": weight_mb, "kv_mb": (context + new_tokens // 2) * kv_mb_per_token}
     rows = [{"config": f"generate() fp32, {context} ctx", **base}]
-    runs = [
-        ("fp32", "full", {}, context, f"fast fp32, {context} ctx"),
-        ("bf16", "full", {}, context, f"fast bf16 weights, {context} ctx"),
-        ("fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx"),
-        ("fp32", "streaming", {"sinks": 4, "recent": cache - 4}, long_context, f"fast fp32 streaming 4+{cache - 4}"),
+    runs = [(model_name, "fp32", "full", {}, context, f"fast fp32, {context} ctx")]
+    runs += [(model_name, "bf16", "full", {}, context, f"fast bf16 weights, {context} ctx")]
+    folders = _in_process(quantized_checkpoints, model_name, out) if quantized else {}
+    runs += [
+        (str(path), "fp32", "full", {}, context, f"fast {label} packed, {context} ctx")
+        for label, path in folders.items()
     ]
-    for dtype, policy, budget, length, label in runs:
+    if long_context:
+        stream = {"sinks": 4, "recent": cache - 4}
+        runs += [(model_name, "fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx")]
+        label = f"fast fp32 streaming 4+{cache - 4}, after {long_context}"
+        runs += [(model_name, "fp32", "streaming", stream, long_context, label)]
+    for name, dtype, policy, budget, length, label in runs:
         progress(label)
-        result = _in_process(_fast_worker, model_name, text, length, new_tokens, dtype, policy, budget, 1, threads)
+        result = _in_process(_fast_worker, name, text, length, new_tokens, dtype, policy, budget, 1, threads)
         rows.append({"config": label, **result})
+    if llama_cpp:
+        progress(f"llama.cpp under {llama_cpp}")
+        from sparsegen.models import load
+
+        prompt = text_stretches(load(model_name)[1], text, 1, context)[0]
+        theirs = llama_cpp_row(llama_cpp, model_name, prompt, new_tokens, threads)
+        kv_mb = (context + new_tokens // 2) * kv_mb_per_token / 2  # llama.cpp keeps keys and values in fp16
+        rows.append({"config": f"llama.cpp {theirs['gguf']}, {context} ctx", **theirs, "kv_mb": kv_mb})
     rows = [_bound(row, bandwidth) for row in rows]
     for row in rows:
         row["speedup"] = base["ms"] / row["ms"]
-    dense, stream = rows[3], rows[4]
-    byte_ratio = (dense["weight_mb"] + dense["kv_mb"]) / (stream["weight_mb"] + stream["kv_mb"])
-    measured = dense["ms"] / stream["ms"]
-    streaming = {"byte_model_ratio": byte_ratio, "measured_ratio": measured, "of_byte_model": measured / byte_ratio}
+    fast = rows[1]
+    for row in rows:
+        row["vs_fast_fp32"] = fast["ms"] / row["ms"]
+    result = {"rows": rows}
+    notes = []
+    if long_context:
+        dense, stream = (
+            next(r for r in rows if r["config"].startswith(f"fast fp32 {k}")) for k in ("dense", "streaming")
+        )
+        byte_ratio = (dense["weight_mb"] + dense["kv_mb"]) / (stream["weight_mb"] + stream["kv_mb"])
+        measured = dense["ms"] / stream["ms"]
+        result["streaming"] = {"byte_model_ratio": byte_ratio, "measured_ratio": measured}
+        result["streaming"]["of_byte_model"] = measured / byte_ratio
+        notes.append(
+            f"streaming vs dense after {long_context} tokens: {measured:.2f}x measured, {byte_ratio:.2f}x allowed "
+            f"by the byte model: {100 * measured / byte_ratio:.0f}% of it"
+        )
+    if folders:
+        progress(f"quantized perplexity on {quality_text}: packed vs dequantized")
+        result["quantized"] = {
+            label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads)
+            for label, path in folders.items()
+        }
+        notes += [
+            f"{label} packed: perplexity {q['ppl_packed']:.3f} vs {q['ppl_dequantized']:.3f} dequantized "
+            f"({100 * q['ppl_change']:+.2f}%, {q['tokens']} tokens of {quality_text})"
+            for label, q in result["quantized"].items()
+        ]
     progress("what bf16 costs: perplexity and top-1 agreement with fp32")
     quality = _in_process(_bf16_quality_worker, model_name, text, 1024, 4, 256, threads)
+    result["bf16"] = quality
+    notes.append(
+        f"bf16 weights: perplexity {quality['weights_ppl_fp32']:.3f} -> {quality['weights_ppl_bf16']:.3f}, "
+        f"top-1 agreement {100 * quality['weights_top1_agreement']:.2f}% ({quality['tokens']} tokens); "
+        f"bf16 KV cache: {quality['kv_ppl_fp32']:.3f} -> {quality['kv_ppl_bf16']:.3f}, "
+        f"top-1 agreement {100 * quality['kv_top1_agreement']:.2f}% ({quality['kv_tokens']} tokens)"
+    )
     meta = run_meta(model=model_name, text=text, bandwidth_gbs=bandwidth, new_tokens=new_tokens)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "bench_decode.json", {"meta": meta, "rows": rows, "streaming": streaming, "bf16": quality})
+    write_json(out / "bench_decode.json", {"meta": meta, **result})
     write_text(
         out / "bench_decode.md",
         f"`{model_name}`, `{text}`, {meta['machine']}, {meta['date']}, read bandwidth {bandwidth:.1f} GB/s\n\n"
         + markdown_table(rows, DECODE_COLUMNS)
-        + f"\nstreaming vs dense after {long_context} tokens: {measured:.2f}x measured, {byte_ratio:.2f}x allowed "
-        f"by the byte model: {100 * streaming['of_byte_model']:.0f}% of it\n\n"
-        f"bf16 weights: perplexity {quality['weights_ppl_fp32']:.3f} -> {quality['weights_ppl_bf16']:.3f}, "
-        f"top-1 agreement {100 * quality['weights_top1_agreement']:.2f}% ({quality['tokens']} tokens); "
-        f"bf16 KV cache: {quality['kv_ppl_fp32']:.3f} -> {quality['kv_ppl_bf16']:.3f}, "
-        f"top-1 agreement {100 * quality['kv_top1_agreement']:.2f}% ({quality['kv_tokens']} tokens)\n",
+        + "".join(f"\n{note}\n" for note in notes),
     )
-    return {"meta": meta, "rows": rows, "streaming": streaming, "bf16": quality}
+    return {"meta": meta, **result}
 
 
 THROUGHPUT_COLUMNS = [

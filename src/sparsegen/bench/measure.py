@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import resource
 import statistics
@@ -28,9 +29,16 @@ class TokenClock(LogitsProcessor):
         return statistics.median(gaps) * 1000 if gaps else float("nan")
 
 
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory now (`VmRSS`) or at its peak (`VmHWM`), MB."""
+    with open(f"/proc/{pid}/status") as handle:
+        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith(field))
+
+
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process so far: its own (`VmHWM`), where getrusage's maximum
+    would carry a parent's peak over into a spawned child."""
+    return rss_mb(os.getpid(), "VmHWM")
 
 
 def current_rss_mb() -> float:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from sparsegen.bench.measure import rss_mb
 from sparsegen.errors import SparsegenError
 
 COLUMNS = [
@@ -94,12 +95,6 @@ def start_server(config: ServeConfig, model: str, port: int, options: list[str])
             time.sleep(0.5)
     server.kill()
     raise SparsegenError(f"the server for {config.label} did not answer in 300 s")
-
-
-def rss_mb(pid: int, field: str = "VmRSS") -> float:
-    """A process's resident memory now (`VmRSS`) or at its peak (`VmHWM`), MB."""
-    with open(f"/proc/{pid}/status") as handle:
-        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith(field))
 
 
 def stream_completion(client: httpx.Client, base: str, body: dict) -> dict:

@@ -22,6 +22,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import PerplexityResult
 from sparsegen.ioutil import save_torch, write_json
 from sparsegen.prompt.soft import SoftPrompt
+from sparsegen.quant.packed import require_float_linears
 
 STATE = "train_state.pt"
 
@@ -86,6 +87,7 @@ def train_prompt(
     """Train a soft prompt on `samples` [n, seqlen]; write it to `out` in peft's format, with the loss
     curve (JSON and PNG). An interrupted run resumes from `out`/train_state.pt."""
     settings = settings or PromptTraining()
+    require_float_linears(model, "train a prompt through it (the integer kernels have no backward)")
     if samples.dim() != 2:
         raise SparsegenError("prompt training needs token ids [n_samples, seqlen]")
     if settings.distill > 0 and teacher is None:

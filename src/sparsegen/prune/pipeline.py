@@ -193,6 +193,9 @@ def prune(
     Further keywords go to the pruner (e.g. `mask_scope="block"` for SparseGPT).
     """
     shape = Pattern.parse(sparsity, pattern)
+    from sparsegen.quant.packed import require_float_linears  # quant builds on prune: imported here
+
+    require_float_linears(model, "prune")
     pruner = make_pruner(method, **options)
     layers = decoder_layers(model)
     needs_data = pruner.needs_calibration or owl

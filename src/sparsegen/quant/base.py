@@ -25,6 +25,11 @@ def register_quantizer(cls: type[Quantizer]) -> type[Quantizer]:
     return cls
 
 
+def default_group_size(bits: int) -> int:
+    """128 inputs a scale up to 4 bits; one scale a row above, the layout the int8 kernel runs."""
+    return 128 if bits <= 4 else 0
+
+
 @dataclass(frozen=True)
 class QuantScheme:
     """Bits, group size and symmetry; scales are stored in `scale_dtype` (fp16, as the papers count)."""
@@ -37,8 +42,10 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
             raise SparsegenError(f"bits must be between 2 and 8, got {self.bits}")
-        if self.group_size < 1:
-            raise SparsegenError(f"group size must be a positive number of inputs, got {self.group_size}")
+        if self.group_size < 0:
+            raise SparsegenError(
+                f"group size must be a number of inputs, or 0 for one group a row; got {self.group_size}"
+            )
 
     @property
     def qmin(self) -> int:
@@ -52,7 +59,10 @@ class QuantScheme:
         """The group size used for a layer: the largest divisor of `columns` not above `group_size`.
 
         compressed-tensors needs groups that tile a row; SmolLM2's 576 inputs at 128 become 96.
+        Group size 0 is one group a row (per output channel).
         """
+        if self.group_size == 0:
+            return columns
         return max(g for g in range(1, min(self.group_size, columns) + 1) if columns % g == 0)
 
     def params(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

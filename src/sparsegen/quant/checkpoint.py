@@ -95,24 +95,68 @@ def quantization_config(folder: str | Path) -> dict | None:
     return found if found and found.get("quant_method") == "compressed-tensors" else None
 
 
-def dequantize_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """Replace each packed Linear's tensors in `state` by its float weight, using compressed-tensors."""
-    from compressed_tensors.compressors import BaseCompressor
+def _parse(config: dict):
     from compressed_tensors.quantization import QuantizationConfig
 
     parsed = QuantizationConfig.model_validate(config)
     if parsed.format != FORMAT:
         raise SparsegenError(f"quantized checkpoints in format {parsed.format!r} are not supported; use {FORMAT!r}")
+    return parsed
+
+
+def _quantized_modules(state: dict[str, torch.Tensor]) -> list[str]:
+    return [name[: -len(".weight_packed")] for name in state if name.endswith(".weight_packed")]
+
+
+def _float_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor for name, tensor in state.items() if not name.rsplit(".", 1)[-1].startswith("weight_")}
+
+
+def dequantize_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Replace each packed Linear's tensors in `state` by its float weight, using compressed-tensors."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    parsed = _parse(config)
     compressor = BaseCompressor.get_value_from_registry(FORMAT)
-    out = {name: tensor for name, tensor in state.items() if not name.rsplit(".", 1)[-1].startswith("weight_")}
-    for packed in [name for name in state if name.endswith(".weight_packed")]:
-        module = packed[: -len(".weight_packed")]
+    out = _float_tensors(state)
+    for module in _quantized_modules(state):
         scheme = _scheme_for(module, parsed)
         local = {key: state[f"{module}.{key}"] for key in ("weight_packed", "weight_scale", "weight_shape")}
         if f"{module}.weight_zero_point" in state:
             local["weight_zero_point"] = state[f"{module}.weight_zero_point"]
         out[f"{module}.weight"] = compressor.decompress(local, scheme)["weight"]
     return out
+
+
+def packed_state(
+    state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module], dict[str, str]]:
+    """Split a checkpoint's tensors into float tensors and packed layers (`quant.packed`) built from
+    its integers as they are stored; a layer no kernel takes gets its float weight instead, with why."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    from sparsegen.quant.packed import dequantized, pack_linear
+
+    parsed = _parse(config)
+    floats, layers, unpacked = _float_tensors(state), {}, {}
+    for module in _quantized_modules(state):
+        bits = _scheme_for(module, parsed).weights.num_bits
+        shape = torch.Size(state[f"{module}.weight_shape"].tolist())
+        integers = unpack_from_int32(state[f"{module}.weight_packed"], bits, shape)
+        scale = state[f"{module}.weight_scale"]
+        zero_point = torch.zeros_like(scale, dtype=torch.int8)
+        if f"{module}.weight_zero_point" in state:
+            zp_shape = (shape[0], scale.shape[-1])
+            zero_point = unpack_from_int32(state[f"{module}.weight_zero_point"], bits, zp_shape, packed_dim=0)
+        bias = floats.get(f"{module}.bias")
+        layer = pack_linear(integers, scale, zero_point, bits, None if bias is None else bias.to(dtype))
+        if isinstance(layer, str):
+            floats[f"{module}.weight"] = dequantized(integers, scale, zero_point)
+            unpacked[module] = layer
+        else:
+            floats.pop(f"{module}.bias", None)
+            layers[module] = layer
+    return floats, layers, unpacked
 
 
 def _scheme_for(module: str, config):

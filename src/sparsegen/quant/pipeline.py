@@ -12,7 +12,8 @@ from torch import nn
 from sparsegen.errors import SparsegenError
 from sparsegen.prune.base import InputStats
 from sparsegen.prune.pipeline import calibration_inputs, decoder_layers, rewrite_layerwise
-from sparsegen.quant.base import Grid, QuantScheme, make_quantizer
+from sparsegen.quant.base import Grid, QuantScheme, default_group_size, make_quantizer
+from sparsegen.quant.packed import pack_quantized, require_float_linears, say_unpacked
 
 
 @dataclass
@@ -39,19 +40,24 @@ def quantize(
     model: nn.Module,
     method: str = "rtn",
     bits: int = 4,
-    group_size: int = 128,
+    group_size: int | None = None,
     symmetric: bool = False,
     calibration: torch.Tensor | None = None,
     batch: int = 8,
     progress: bool = True,
+    pack: bool = False,
     **options,
 ) -> QuantReport:
     """Quantize the Linear weights of `model`'s decoder blocks in place (weight-only); return a report.
 
+    `group_size` defaults to 128 inputs a scale up to 4 bits and one scale a row above (0).
     The weights become their dequantized values, so the model runs as before; `report.grids` keeps
     the integers' scales for `save_quantized`. Zeros (pruned weights) stay zero. GPTQ needs
-    `calibration` ids [n_samples, seqlen].
+    `calibration` ids [n_samples, seqlen]. With `pack`, the layers then become packed integer
+    layers run by the weight-only kernels (`quant.packed`), as a saved checkpoint loads.
     """
+    require_float_linears(model, "quantize")
+    group_size = default_group_size(bits) if group_size is None else group_size
     scheme = QuantScheme(bits, group_size, symmetric)
     quantizer = make_quantizer(method, **options)
     if quantizer.needs_calibration and (calibration is None or calibration.dim() != 2):
@@ -74,6 +80,8 @@ def quantize(
     desc = f"{method} int{bits} g{group_size}"
     rewrite_layerwise(layers, quantize_linear, inputs, kwargs, dtype, quantizer.needs_hessian, desc, progress)
     report.seconds = time.perf_counter() - started
+    if pack:
+        say_unpacked(pack_quantized(model, report.grids, scheme))
     return report
 
 

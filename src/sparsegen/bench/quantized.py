@@ -1,0 +1,74 @@
+"""The quantized rows of `sparsegen bench decode`: int8 and int4 checkpoints of the model decoding
+packed, their perplexity against their own dequantized selves, and llama.cpp on the model's GGUF.
+
+llama.cpp runs through llama-cpp-python installed in its own environment (`--llama-cpp PYTHON`),
+fed the same prompt token ids, at the same number of threads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+# What each row quantizes: RTN, asymmetric, at the default group size of its bits (int4: 128
+# inputs, 96 on SmolLM2's 576-wide rows, run as groups of 32; int8: one scale a row).
+SCHEMES = {"int8": 8, "int4": 4}
+
+
+def quantized_checkpoints(model_name: str, out: Path) -> dict[str, Path]:
+    """Write each scheme's RTN checkpoint of `model_name` under `out` (rebuilt every run)."""
+    from sparsegen.models import load
+    from sparsegen.quant import quantize
+    from sparsegen.quant.checkpoint import save_quantized
+
+    folders = {}
+    for label, bits in SCHEMES.items():
+        model, tokenizer = load(model_name)
+        report = quantize(model, "rtn", bits, progress=False)
+        folders[label] = save_quantized(model, tokenizer, out / label, report)
+    return folders
+
+
+def quality_worker(folder: str, text: str, seqlen: int, windows: int, threads: int) -> dict:
+    """Windowed perplexity of the packed model and of its dequantized self on the same windows."""
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.eval.perplexity import windowed_ppl
+    from sparsegen.models import load
+
+    torch.set_num_threads(threads)
+    packed, tokenizer = load(folder)
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=seqlen * windows)
+    ours = windowed_ppl(packed, ids, seqlen, windows, progress=False).ppl
+    del packed
+    floats, _ = load(folder, packed=False)
+    theirs = windowed_ppl(floats, ids, seqlen, windows, progress=False).ppl
+    return {"ppl_packed": ours, "ppl_dequantized": theirs, "ppl_change": ours / theirs - 1, "tokens": ids.numel()}
+
+
+def llama_cpp_row(python: str, model_name: str, prompt: list[int], new_tokens: int, threads: int) -> dict:
+    """llama.cpp decoding the model's own GGUF after `prompt`, in the interpreter `python`."""
+    from gguf import GGUFReader
+
+    from sparsegen.models import gguf_file
+
+    path = gguf_file(model_name)
+    worker = Path(__file__).with_name("llamacpp_worker.py")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as ids:
+        json.dump(prompt, ids)
+        ids.flush()
+        done = subprocess.run(
+            [python, str(worker), str(path), ids.name, str(new_tokens), str(threads)],
+            capture_output=True,
+            text=True,
+        )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"llama.cpp worker failed under {python}: {last}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    kinds = sorted({t.tensor_type.name for t in GGUFReader(str(path)).tensors})
+    weight_mb = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors) / 1e6
+    return {**result, "weight_mb": weight_mb, "gguf": f"{path.name} ({', '.join(kinds)})"}
