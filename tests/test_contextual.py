@@ -19,7 +19,7 @@ from sparsegen.contextual.base import mlp_parts
 from sparsegen.contextual.heads import SparseAttention
 from sparsegen.contextual.input_sparse import InputSparseLinear
 from sparsegen.errors import SparsegenError
-from sparsegen.prune import decoder_layers
+from sparsegen.models import decoder_layers
 from tests.conftest import build_tiny
 
 

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 import sparsegen
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import windowed_ppl
-from sparsegen.prune import InputStats, Pattern, decoder_layers, make_pruner, prune
+from sparsegen.models import decoder_layers
+from sparsegen.prune import InputStats, Pattern, make_pruner, prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.prune.owl import owl_ratios
 from sparsegen.prune.pipeline import block_linears

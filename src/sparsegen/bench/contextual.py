@@ -45,7 +45,7 @@ def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float
     the bytes it reads (the embedding table once, for the tied lm_head; the decoder layers' weights
     as their selectors read them; the KV), and the share of the decoder layers' weights read."""
     from sparsegen.contextual.apply import layer_kept_shares, read_bytes
-    from sparsegen.prune.pipeline import decoder_layers
+    from sparsegen.models import decoder_layers
 
     size = next(model.parameters()).element_size()
     shares = layer_kept_shares(model, prompt)

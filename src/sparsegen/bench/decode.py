@@ -14,23 +14,12 @@ import torch
 
 from sparsegen.bench.kv import bytes_per_step, generate_latency
 from sparsegen.bench.measure import in_process as _in_process
-from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+from sparsegen.bench.measure import read_bandwidth_gbs, run_meta, weight_bytes
 from sparsegen.bench.quantized import llama_cpp_row, quality_worker, quantized_checkpoints
 from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.models import kv_bytes_per_token
-from sparsegen.quant.packed import PackedLinear
+from sparsegen.models import DTYPES, kv_bytes_per_token
 from sparsegen.report import markdown_table
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a step reads of the weights: each distinct parameter or packed layer's buffer once
-    (tied embeddings once), as stored: a packed layer counts its integers, scales and offsets."""
-    packed = [b for m in model.modules() if isinstance(m, PackedLinear) for b in m.buffers(recurse=False)]
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *packed]}
-    return sum(seen.values())
 
 
 def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, rows, threads) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from sparsegen.bench.measure import in_process as _in_process
-from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+from sparsegen.bench.measure import read_bandwidth_gbs, run_meta, weight_bytes
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table, plot_lines
 
@@ -111,7 +111,6 @@ def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int,
 
 def bytes_per_step(model_name: str) -> tuple[float, float]:
     """MB of weights a decode step reads, and MB of KV per held token (fp32)."""
-    from sparsegen.bench.decode import weight_bytes
     from sparsegen.models import kv_bytes_per_token, load
 
     model, _ = load(model_name)

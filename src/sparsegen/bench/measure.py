@@ -47,6 +47,16 @@ def current_rss_mb() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a step reads of the weights: each distinct parameter or packed layer's buffer once
+    (tied embeddings once), as stored: a packed layer counts its integers, scales and offsets."""
+    from sparsegen.quant.packed import PackedLinear
+
+    packed = [b for m in model.modules() if isinstance(m, PackedLinear) for b in m.buffers(recurse=False)]
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *packed]}
+    return sum(seen.values())
+
+
 def in_process(fn, *args):
     """Run `fn(*args)` in a fresh spawned process: its peak RSS and warm caches are its own."""
     import multiprocessing

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from sparsegen.bench.measure import rss_mb
+from sparsegen.bench.measure import rss_mb, weight_bytes
 from sparsegen.errors import SparsegenError
 
 COLUMNS = [
@@ -216,7 +216,6 @@ def bench_serve(
     """Measure every (configuration, clients) point; write `bench_serve.md`, `.json` and `.png`."""
     import torch
 
-    from sparsegen.bench.decode import weight_bytes
     from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
     from sparsegen.data import text_stretches
     from sparsegen.ioutil import write_json, write_text

@@ -21,7 +21,7 @@ from sparsegen.contextual.heads import HeadPredictor, SparseAttention, head_part
 from sparsegen.contextual.input_sparse import InputSparseAttention, InputSparseLinear, InputSparseMLP
 from sparsegen.contextual.mlp import SparseMLP
 from sparsegen.errors import SparsegenError
-from sparsegen.prune.pipeline import decoder_layers
+from sparsegen.models import decoder_layers
 
 SELECTORS_FILE = "contextual.safetensors"
 SPARSE_WRAPPERS = (SparseMLP, SparseAttention, InputSparseAttention, InputSparseMLP)  # each holds `original`

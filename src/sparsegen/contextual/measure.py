@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from sparsegen.contextual.base import mlp_activations, mlp_parts
-from sparsegen.prune.pipeline import decoder_layers
+from sparsegen.models import decoder_layers
 
 
 def _needed(parts: torch.Tensor, tolerance: float) -> torch.Tensor:

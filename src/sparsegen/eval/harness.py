@@ -25,8 +25,6 @@ from tqdm.auto import tqdm
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.base import resolve_budget
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @register_model("sparsegen")
 class SparsegenLM(HFLM):
@@ -57,15 +55,13 @@ class SparsegenLM(HFLM):
         **kwargs,
     ) -> None:
         from sparsegen.kv import POLICIES
-        from sparsegen.models import load
+        from sparsegen.models import dtype_named, load
 
         if policy not in POLICIES:
             raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
-        if dtype not in _DTYPES:
-            raise SparsegenError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         if chunk is not None and chunk < 1:
             raise SparsegenError(f"chunk must be >= 1, got {chunk}")
-        network, tokenizer = loaded if loaded is not None else load(model, dtype=_DTYPES[dtype])
+        network, tokenizer = loaded if loaded is not None else load(model, dtype=dtype_named(dtype))
         if prompt is not None:
             from sparsegen.prompt import SoftPrompt
 

@@ -2,7 +2,7 @@
 
 from sparsegen.prune import magnitude, sparsegpt, wanda  # noqa: F401  (register pruners)
 from sparsegen.prune.base import PRUNERS, InputStats, Pattern, Pruner, make_pruner, register_pruner
-from sparsegen.prune.pipeline import PruneReport, decoder_layers, prune
+from sparsegen.prune.pipeline import PruneReport, prune
 
 __all__ = [
     "PRUNERS",
@@ -10,7 +10,6 @@ __all__ = [
     "Pattern",
     "PruneReport",
     "Pruner",
-    "decoder_layers",
     "make_pruner",
     "prune",
     "register_pruner",

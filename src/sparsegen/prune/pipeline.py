@@ -13,6 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
+from sparsegen.models import decoder_layers
 from sparsegen.prune.base import InputStats, Pattern, make_pruner
 from sparsegen.prune.owl import outlier_ratio, owl_ratios
 from sparsegen.report import say_estimate
@@ -35,18 +36,6 @@ class PruneReport:
     @property
     def overall(self) -> float:
         return sum(self.layers.values()) / len(self.layers) if self.layers else 0.0
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's decoder blocks (`model.model.layers` in transformers' decoders)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise SparsegenError(
-            f"{type(model).__name__}: no decoder layers found (expected model.model.layers); "
-            "pruning supports transformers decoder-only language models"
-        )
-    return layers
 
 
 def block_linears(block: nn.Module) -> dict[str, nn.Linear]:

@@ -86,6 +86,18 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantRe
     return out
 
 
+def save_pruned_quantized(model: nn.Module, tokenizer, out: str | Path, pruned) -> Path:
+    """Save a quantized model that was just pruned: its weights re-quantized by RTN with the scheme
+    its config records (pruned zeros stay zero), its sparsity recorded beside the quantization."""
+    from sparsegen.prune.checkpoint import sparsity_config
+    from sparsegen.quant.pipeline import quantize
+
+    settings = model.config.sparsegen_quantization
+    report = quantize(model, "rtn", settings["bits"], settings["group_size"], settings["symmetric"], progress=False)
+    model.config.sparsity_config = sparsity_config(pruned, compressed=False)
+    return save_quantized(model, tokenizer, out, report)
+
+
 def quantization_config(folder: str | Path) -> dict | None:
     """The compressed-tensors quantization config of a checkpoint folder, or None."""
     config = Path(folder) / "config.json"

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from sparsegen.errors import SparsegenError
+from sparsegen.models import decoder_layers
 from sparsegen.prune.base import InputStats
-from sparsegen.prune.pipeline import calibration_inputs, decoder_layers, rewrite_layerwise
+from sparsegen.prune.pipeline import calibration_inputs, rewrite_layerwise
 from sparsegen.quant.base import Grid, QuantScheme, default_group_size, make_quantizer
 from sparsegen.quant.packed import pack_quantized, require_float_linears, say_unpacked
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from sparsegen.prune.pipeline import block_linears, decoder_layers
+from sparsegen.models import decoder_layers
+from sparsegen.prune.pipeline import block_linears
 from sparsegen.quant.base import QuantScheme
 
 

@@ -1,0 +1,318 @@
+"""`sparsegen bench ...`: speed and memory, side by side with baselines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from sparsegen.cli.common import SELECTOR_HELP, ModelOpt, bench_app, err, out, parse_floats
+from sparsegen.errors import SparsegenError
+
+
+@bench_app.command("serve")
+def bench_serve_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    configs: str = typer.Option(
+        "full,h2o:0.2,streaming:0.2", "--configs", help="Servers to measure: policy or policy:budget, comma-separated."
+    ),
+    baseline_src: Path | None = typer.Option(
+        None,
+        "--baseline-src",
+        help="Also measure another checkout's server (its src/, policy full), e.g. an old commit's.",
+    ),
+    clients: str = typer.Option("1,8,24", "--clients", help="Concurrent clients, comma-separated."),
+    prompt_tokens: str = typer.Option("64,256,1024", "--prompt-tokens", help="Prompt lengths, alternating."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Greedy tokens per request."),
+    requests: int = typer.Option(1, "--requests", help="Requests each client sends, one after another."),
+    max_kv_mb: int = typer.Option(256, "--max-kv-mb", help="The servers' KV memory (the same for every one)."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk"),
+    check: bool = typer.Option(True, "--check/--no-check", help="Compare answers with single-request generate()."),
+    out_dir: Path = typer.Option(Path("results/bench_serve"), "--out"),
+) -> None:
+    """Real HTTP clients against `sparsegen serve`: tokens/s, time to first token and inter-token
+    latency, rows admitted and queued, server RSS, per configuration and number of clients."""
+    from sparsegen.bench.serve import ServeConfig, bench_serve
+
+    servers = [ServeConfig.parse(spec) for spec in configs.split(",") if spec]
+    if baseline_src is not None:
+        if not (baseline_src / "sparsegen").is_dir():
+            raise SparsegenError(f"{baseline_src} has no sparsegen package; pass the src/ folder of a checkout")
+        servers.insert(0, ServeConfig(f"baseline {baseline_src}", "full", src=baseline_src.resolve()))
+    bench_serve(
+        model,
+        text,
+        servers,
+        tuple(int(c) for c in clients.split(",")),
+        tuple(int(p) for p in prompt_tokens.split(",")),
+        max_tokens,
+        requests,
+        max_kv_mb,
+        prefill_chunk=prefill_chunk,
+        check=check,
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+    )
+    out.print((out_dir / "bench_serve.md").read_text())
+    out.print(f"wrote {out_dir}/bench_serve.md, .json and two plots")
+
+
+@bench_app.command("soak")
+def bench_soak_command(
+    model: str = ModelOpt,
+    config: str = typer.Option("streaming:256", "--config", help="The server's policy or policy:budget."),
+    requests: int = typer.Option(200, "--requests"),
+    clients: int = typer.Option(16, "--clients"),
+    max_tokens: int = typer.Option(32, "--max-tokens"),
+    max_kv_mb: int = typer.Option(512, "--max-kv-mb"),
+    out_dir: Path = typer.Option(Path("results/bench_soak"), "--out"),
+) -> None:
+    """A bounded soak of `sparsegen serve`: greedy, cancelled, malformed, too long and chat requests
+    from many clients; the server's RSS along the way, rows left at the end, answers checked."""
+    from sparsegen.bench.measure import run_meta
+    from sparsegen.bench.serve import ServeConfig, soak
+    from sparsegen.ioutil import write_json
+
+    result = soak(
+        model, ServeConfig.parse(config), requests, clients, max_tokens, max_kv_mb, progress=lambda m: err.print(m)
+    )
+    write_json(out_dir / "bench_soak.json", {"meta": run_meta(model=model), **result})
+    for key, value in result.items():
+        out.print(f"{key}: {value}")
+    out.print(f"wrote {out_dir}/bench_soak.json")
+
+
+@bench_app.command("kv")
+def bench_kv_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    sizes: str = typer.Option("256,1024,2048", "--sizes", help="Cache sizes W, comma-separated."),
+    context: int = typer.Option(4096, "--context", help="Tokens before decoding starts."),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens decoded per measurement."),
+    stream_tokens: str = typer.Option("", "--stream-tokens", help="Also record RSS along streams of these lengths."),
+    also: str = typer.Option("", "--also", help="Other policies to time at each cache size, e.g. h2o,window."),
+    out_dir: Path = typer.Option(Path("results/bench_kv"), "--out"),
+) -> None:
+    """Per-token latency and peak RSS vs cache size: streaming, re-computation, dense."""
+    from sparsegen.bench.kv import bench_kv
+
+    result = bench_kv(
+        model,
+        text,
+        tuple(int(s) for s in sizes.split(",")),
+        context,
+        new_tokens,
+        stream_tokens=tuple(int(s) for s in stream_tokens.split(",") if s),
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        also=tuple(p for p in also.split(",") if p),
+    )
+    out.print((out_dir / "bench_kv.md").read_text())
+    out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")
+
+
+@bench_app.command("decode")
+def bench_decode_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    context: int = typer.Option(1024, "--context", help="Tokens before decoding starts."),
+    long_context: int = typer.Option(
+        8000, "--long-context", help="Context of the streaming vs dense comparison (0: skip it)."
+    ),
+    cache: int = typer.Option(1024, "--cache", help="Streaming cache size (4 sinks + the rest recent)."),
+    new_tokens: int = typer.Option(96, "--new-tokens", help="Tokens decoded per measurement."),
+    quantized: bool = typer.Option(
+        True, "--quantized/--no-quantized", help="Add int8 and int4 (RTN) checkpoints decoding packed."
+    ),
+    llama_cpp: str | None = typer.Option(
+        None, "--llama-cpp", help="A Python with llama-cpp-python installed: adds llama.cpp on the model's GGUF."
+    ),
+    out_dir: Path = typer.Option(Path("results/bench_decode"), "--out"),
+) -> None:
+    """The fast decode path vs generate() (fp32, bf16 weights, int8/int4 packed, llama.cpp), and
+    streaming vs dense, against the memory-bandwidth bound measured in the same run."""
+    from sparsegen.bench.decode import bench_decode
+
+    bench_decode(
+        model,
+        text,
+        context,
+        long_context,
+        new_tokens,
+        cache,
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+        quantized=quantized,
+        llama_cpp=llama_cpp,
+    )
+    out.print((out_dir / "bench_decode.md").read_text())
+    out.print(f"wrote {out_dir}/bench_decode.md and .json")
+
+
+@bench_app.command("throughput")
+def bench_throughput_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    prompt: int = typer.Option(1024, "--prompt", help="Prompt tokens per row."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per row."),
+    kv_mb: float = typer.Option(256.0, "--kv-mb", help="KV memory budget shared by the batch, MB."),
+    heavy_share: float = typer.Option(0.1, "--heavy-share", help="h2o heavy (= recent) share of the prompt."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Largest batch tried."),
+    out_dir: Path = typer.Option(Path("results/bench_throughput"), "--out"),
+) -> None:
+    """Throughput in a fixed KV memory: the largest batch dense, h2o and streaming fit, and tokens/s."""
+    from sparsegen.bench.decode import bench_throughput
+
+    bench_throughput(
+        model,
+        text,
+        prompt,
+        new_tokens,
+        kv_mb,
+        heavy_share,
+        max_batch,
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+    )
+    out.print((out_dir / "bench_throughput.md").read_text())
+    out.print(f"wrote {out_dir}/bench_throughput.md and .json")
+
+
+@bench_app.command("prune")
+def bench_prune_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    n_samples: int = typer.Option(16, "--n-samples"),
+    seqlen: int = typer.Option(512, "--seqlen"),
+    sparsities: str = typer.Option("0.5,0.7,0.9", "--sparsities"),
+    out_dir: Path = typer.Option(Path("results/bench_prune"), "--out"),
+) -> None:
+    """Pruning time per method, and decode speed dense vs CSR per sparsity."""
+    from sparsegen.bench.prune import bench_prune
+
+    bench_prune(
+        model,
+        text,
+        n_samples,
+        seqlen,
+        tuple(float(s) for s in sparsities.split(",")),
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_prune.md").read_text())
+
+
+@bench_app.command("zeroshot")
+def bench_zeroshot_command(
+    model: str = ModelOpt,
+    tasks: str = typer.Option(None, "--tasks", help="Comma-separated offline tasks [default: all eight]."),
+    limit: int | None = typer.Option(100, "--limit", help="First N items of each task (0 = all)."),
+    share: float = typer.Option(0.2, "--share", help="KV budget as a share of each request."),
+    n_samples: int = typer.Option(32, "--n-samples", help="Calibration samples for pruning."),
+    seqlen: int = typer.Option(512, "--seqlen", help="Calibration sample length."),
+    out_dir: Path = typer.Option(Path("results/bench_zeroshot"), "--out"),
+) -> None:
+    """Zero-shot tables: pruning methods at 50% and 2:4 (Wanda's), KV policies at 20% (H2O's)."""
+    from sparsegen.bench.zeroshot import bench_zeroshot
+
+    bench_zeroshot(
+        model,
+        [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+        limit or None,
+        share,
+        n_samples=n_samples,
+        seqlen=seqlen,
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_zeroshot.md").read_text())
+
+
+@bench_app.command("compress-prompt")
+def bench_compress_prompt_command(
+    model: str = ModelOpt,
+    train_text: str = typer.Option("shakespeare", "--train-text", help="Text the prompt learns from (first 90%)."),
+    other_text: str = typer.Option("milton", "--other-text", help="A text neither training nor tests use."),
+    prompt_variant: str = typer.Option(
+        "50% + int4", "--prompt-variant", help="The compression the prompt is learned on."
+    ),
+    steps: int = typer.Option(200, "--steps"),
+    tokens: int = typer.Option(100, "--tokens"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    seqlen: int = typer.Option(1024, "--seqlen"),
+    eval_windows: int = typer.Option(16, "--eval-windows"),
+    zeroshot_limit: int = typer.Option(60, "--zeroshot-limit", help="Items per zero-shot task (0 = skip zero-shot)."),
+    out_dir: Path = typer.Option(Path("results/bench_compress_prompt"), "--out"),
+) -> None:
+    """Dense / compressed / compressed + soft prompt: perplexity, bits per weight, zero-shot, transfer."""
+    from sparsegen.bench.compress_prompt import bench_compress_prompt
+
+    bench_compress_prompt(
+        model,
+        train_text,
+        other_text,
+        prompt_variant,
+        steps=steps,
+        tokens=tokens,
+        lr=lr,
+        seqlen=seqlen,
+        eval_windows=eval_windows,
+        zeroshot_limit=zeroshot_limit or 0,
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_compress_prompt.md").read_text())
+
+
+@bench_app.command("gather")
+def bench_gather_command(
+    model: str = ModelOpt,
+    kept: str = typer.Option("1,0.75,0.5,0.25", "--kept", help="Shares of each projection's inputs kept."),
+    passes: int = typer.Option(20, "--passes", min=1),
+    out_dir: Path = typer.Option(Path("results/bench_gather"), "--out"),
+) -> None:
+    """How fast this machine reads the weight rows of kept inputs (TEAL's gather) against the dense
+    product, on the model's own projections: whether contextual sparsity can pay here."""
+    from sparsegen.bench.gather import COLUMNS, bench_gather
+    from sparsegen.report import markdown_table
+
+    shares = parse_floats(kept)
+    if not all(0 < share <= 1 for share in shares):
+        raise SparsegenError(f"--kept takes shares in (0, 1], got {kept!r}")
+    rows = bench_gather(model, tuple(shares), passes, out=out_dir, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
+    out.print(markdown_table(rows, COLUMNS))
+
+
+@bench_app.command("contextual")
+def bench_contextual_command(
+    model: str = ModelOpt,
+    selectors: str = typer.Option("threshold,static", "--selectors", help=SELECTOR_HELP),
+    sparsities: str = typer.Option("0.5", "--sparsities"),
+    batches: str = typer.Option("1", "--batches", help="Batch sizes, comma-separated."),
+    context: int = typer.Option(256, "--context"),
+    tokens: int = typer.Option(32, "--tokens"),
+    compile: str = typer.Option(
+        "never", "--compile", help="never (eager) or always: dense and sparse run the fast decode path in this mode."
+    ),
+    head_sparsities: str = typer.Option(
+        "0", "--head-sparsities", help="Shares of attention heads skipped per token (a head predictor; not with teal)."
+    ),
+    out_dir: Path = typer.Option(Path("results/bench_contextual"), "--out"),
+) -> None:
+    """Decode ms/token of contextual sparsity vs dense, side by side, with the bytes-per-step bound."""
+    from sparsegen.bench.contextual import bench_contextual
+
+    bench_contextual(
+        model,
+        tuple(name.strip() for name in selectors.split(",") if name.strip()),
+        tuple(parse_floats(sparsities)),
+        tuple(int(b) for b in batches.split(",")),
+        context,
+        tokens,
+        compile=compile,
+        head_sparsities=tuple(parse_floats(head_sparsities)),
+        out=out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "bench_contextual.md").read_text())

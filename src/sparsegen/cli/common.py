@@ -1,0 +1,67 @@
+"""The `sparsegen` command line: `sparsegen <verb>` and `sparsegen <capability> <verb>`."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from sparsegen.catalog import catalog
+from sparsegen.errors import SparsegenError
+
+app = typer.Typer(
+    help="Cheaper and longer LLM generation through sparsity.", no_args_is_help=True, pretty_exceptions_enable=False
+)
+bench_app = typer.Typer(help="Speed and memory benchmarks, side by side with baselines.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(help="Evaluation: windowed perplexity, zero-shot accuracy.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+prompt_app = typer.Typer(help="Compress, then prompt: learn and evaluate soft prompts.", no_args_is_help=True)
+app.add_typer(prompt_app, name="prompt")
+contextual_app = typer.Typer(
+    help="Contextual sparsity: per-token MLP neurons or projection inputs.", no_args_is_help=True
+)
+app.add_typer(contextual_app, name="contextual")
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True)
+
+ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder or hub id.")
+METHODS = catalog()  # the registries' names and help, read without torch once they are cached
+POLICY_HELP = f"KV policy. {METHODS['policy_help']}."
+PolicyOpt = typer.Option("full", "--policy", help=POLICY_HELP)
+BudgetOpt = typer.Option(None, "--budget", help="Total KV budget in tokens (split as the policy needs).")
+SinksOpt = typer.Option(None, "--sinks", help="Initial tokens always kept (streaming policies).")
+RecentOpt = typer.Option(None, "--recent", help="Most recent tokens kept.")
+HeavyOpt = typer.Option(None, "--heavy", help="Heavy-hitter tokens kept (h2o policies).")
+PositionOpt = typer.Option(None, "--position", help="original or rolling (default: the policy's).")
+
+
+def budget_parts(budget: int | None, sinks: int | None, recent: int | None, heavy: int | None) -> dict:
+    """The budget keywords for make_cache from the CLI options (a total, or the parts given)."""
+    parts = {k: v for k, v in (("sinks", sinks), ("recent", recent), ("heavy", heavy)) if v is not None}
+    if budget is not None:
+        return {"budget": budget, **({"sinks": sinks} if sinks is not None else {})}
+    return parts
+
+
+SELECTOR_HELP = "; ".join(f"{name}: {summary}" for name, summary in METHODS["selectors"].items())
+HeadSparsityOpt = typer.Option(
+    0.0,
+    "--head-sparsity",
+    help="Share of attention heads skipped per token, in [0, 1), chosen by a Deja Vu head predictor trained on "
+    "the calibration text (0: attention stays dense; not with teal).",
+)
+
+
+def registered_names(values: str, registry, what: str) -> list[str]:
+    """Comma-separated names, each checked against a registry (one line naming the unknown ones)."""
+    names = [name.strip() for name in values.split(",") if name.strip()]
+    unknown = [name for name in names if name not in registry]
+    if unknown:
+        raise SparsegenError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(sorted(registry))}")
+    return names
+
+
+def parse_floats(values: str) -> list[float]:
+    return [float(v) for v in values.split(",") if v.strip()]

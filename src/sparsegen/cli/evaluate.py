@@ -1,0 +1,158 @@
+"""`sparsegen eval ...`: perplexity, pruning quality, needle retrieval, zero-shot accuracy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from sparsegen.cli.common import (
+    METHODS,
+    POLICY_HELP,
+    ModelOpt,
+    PositionOpt,
+    SinksOpt,
+    err,
+    eval_app,
+    out,
+    registered_names,
+)
+
+
+@eval_app.command("prune-quality")
+def prune_quality_command(
+    model: str = ModelOpt,
+    calib_text: str = typer.Option("shakespeare", "--calib-text"),
+    eval_text: str = typer.Option("shakespeare", "--eval-text"),
+    n_samples: int = typer.Option(32, "--n-samples"),
+    seqlen: int = typer.Option(512, "--seqlen"),
+    eval_seqlen: int = typer.Option(2048, "--eval-seqlen"),
+    max_windows: int = typer.Option(8, "--max-windows"),
+    out_dir: Path = typer.Option(Path("results/prune_quality"), "--out"),
+) -> None:
+    """Perplexity and pruning time per method and pattern (50%, 4:8, 2:4; OWL at 70%)."""
+    from sparsegen.eval.prune_quality import prune_quality
+
+    prune_quality(
+        model,
+        calib_text,
+        eval_text,
+        n_samples,
+        seqlen,
+        eval_seqlen,
+        max_windows,
+        out_dir,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    out.print((out_dir / "prune_quality.md").read_text())
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Window length (stated with every result)."),
+    max_windows: int = typer.Option(
+        16, "--max-windows", help="Evaluate the first N windows (minutes on a CPU); 0: the whole text."
+    ),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
+) -> None:
+    """Windowed perplexity: non-overlapping windows of SEQLEN, remainder dropped, exp(mean NLL)."""
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.eval.perplexity import windowed_ppl
+    from sparsegen.ioutil import write_json
+    from sparsegen.models import load
+
+    loaded, tokenizer = load(model)
+    result = windowed_ppl(loaded, tokenize_long(tokenizer, load_text(text)), seqlen, max_windows or None)
+    summary = {"model": model, "text": text, **result.summary()}
+    out.print(f"perplexity {result.ppl:.3f} ({result.windows} windows x {seqlen} tokens of {text})")
+    if json_out is not None:
+        write_json(json_out, summary)
+
+
+@eval_app.command("needle")
+def eval_needle(
+    model: str = ModelOpt,
+    policies: str = typer.Option("full,window,streaming,h2o,snapkv,tova", "--policies", help=POLICY_HELP),
+    budgets: str = typer.Option("256,1024", "--budgets", help="Total KV budgets, comma-separated."),
+    length: int = typer.Option(2048, "--length", help="Context tokens (filler + needle)."),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths, 0 = start of the context."),
+    trials: int = typer.Option(4, "--trials", help="Passkeys (and filler offsets) per cell."),
+    chunk: int | None = typer.Option(None, "--chunk", help="Read the context in pieces [default: one forward]."),
+    filler: str = typer.Option("shakespeare", "--filler", help="Embedded text name or a .txt file."),
+    out_dir: Path = typer.Option(Path("results/needle"), "--out"),
+) -> None:
+    """Passkey retrieval per policy, budget and depth, asked after the context was compressed (heat map)."""
+    from sparsegen.data import load_text
+    from sparsegen.eval.needle import needle_job, plot_heatmap
+    from sparsegen.models import load
+    from sparsegen.report import markdown_table
+
+    names = registered_names(policies, METHODS["policies"], "KV policy")
+    depth_list = [float(d) for d in depths.split(",")]
+    loaded, tokenizer = load(model)
+    rows = needle_job(
+        loaded,
+        tokenizer,
+        load_text(filler),
+        names,
+        [int(b) for b in budgets.split(",")],
+        depth_list,
+        length,
+        trials,
+        out_dir,
+        chunk,
+        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+    )
+    reading = f"chunks of {chunk}" if chunk else "one forward, compressed after it"
+    plot_heatmap(rows, depth_list, out_dir / "needle.png", f"passkey retrieval, {length}-token context ({reading})")
+    table_rows = []
+    for policy, budget in dict.fromkeys((r["policy"], r["budget"]) for r in rows):
+        cells = {f"{r['depth']:.0%}": r["accuracy"] for r in rows if (r["policy"], r["budget"]) == (policy, budget)}
+        table_rows.append({"policy": policy, "budget": budget or "all", **cells})
+    columns = [("policy", "policy"), ("budget", "budget"), *[(f"{d:.0%}", f"{d:.0%}") for d in depth_list]]
+    out.print(markdown_table(table_rows, columns))
+    out.print(f"wrote {out_dir}/needle.json and {out_dir}/needle.png")
+
+
+@eval_app.command("zeroshot")
+def eval_zeroshot(
+    model: str = ModelOpt,
+    tasks: str = typer.Option(None, "--tasks", help="Comma-separated offline tasks [default: all eight]."),
+    policy: str = typer.Option("full", "--policy", help=POLICY_HELP),
+    budget: str | None = typer.Option(None, "--budget", help="Total KV budget: tokens (int) or share (0.2)."),
+    sinks: int | None = SinksOpt,
+    heavy: str | None = typer.Option(None, "--heavy", help="Heavy hitters: tokens or share of the request."),
+    recent: str | None = typer.Option(None, "--recent", help="Recent tokens: tokens or share of the request."),
+    position: str | None = PositionOpt,
+    chunk: int | None = typer.Option(None, "--chunk", help="Read each context this many tokens at a time."),
+    limit: int | None = typer.Option(None, "--limit", help="First N items of each task."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Requests per forward (without a KV policy)."),
+    out_dir: Path = typer.Option(Path("results/zeroshot"), "--out"),
+) -> None:
+    """Zero-shot accuracy with lm-eval's prompts and metrics on offline task data (resumable)."""
+    from sparsegen.eval.harness import SparsegenLM
+    from sparsegen.eval.tasks import TASKS, check_tasks
+    from sparsegen.eval.zeroshot import ZEROSHOT_COLUMNS, summary_rows, zeroshot_job
+    from sparsegen.kv.base import count_or_share
+    from sparsegen.report import table
+
+    names = check_tasks([t.strip() for t in tasks.split(",") if t.strip()] if tasks else list(TASKS))
+    lm = SparsegenLM(
+        model=model,
+        policy=policy,
+        budget=count_or_share(budget),
+        sinks=sinks,
+        heavy=count_or_share(heavy),
+        recent=count_or_share(recent),
+        position=position,
+        chunk=chunk,
+        batch_size=batch_size,
+    )
+    summary = zeroshot_job(
+        lm, names, out_dir, limit, label={"model": model}, progress=lambda msg: err.print(f"[dim]{msg}[/]")
+    )
+    title = f"{model} · {lm.policy}" + (f" · limit {limit}" if limit else "")
+    out.print(table(summary_rows(summary), ZEROSHOT_COLUMNS, title=title))
+    out.print(f"wrote {out_dir}/results.json")

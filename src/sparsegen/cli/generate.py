@@ -1,0 +1,248 @@
+"""Generation for people: the model's facts, text from a prompt, a stream, a chat, the server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from sparsegen.cli.common import (
+    METHODS,
+    POLICY_HELP,
+    BudgetOpt,
+    HeavyOpt,
+    ModelOpt,
+    PolicyOpt,
+    PositionOpt,
+    RecentOpt,
+    SinksOpt,
+    app,
+    budget_parts,
+    err,
+    out,
+)
+
+
+@app.command()
+def info(model: str = ModelOpt) -> None:
+    """Show the model, the cache folder and versions."""
+    import torch
+    import transformers
+
+    from sparsegen import __version__
+    from sparsegen.assets import cache_dir
+    from sparsegen.kv import POLICIES
+    from sparsegen.models import load
+
+    loaded, tokenizer = load(model)
+    config = loaded.config
+    out.print(f"sparsegen {__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
+    out.print(f"cache folder: {cache_dir()}")
+    out.print(
+        f"model: {model} ({config.model_type}, {config.num_hidden_layers} layers, "
+        f"{sum(p.numel() for p in loaded.parameters()) / 1e6:.1f} M parameters, "
+        f"{config.max_position_embeddings} positions, attention {config._attn_implementation})"
+    )
+    out.print(f"KV policies: {', '.join(sorted(POLICIES))}")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    model: str = ModelOpt,
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    policy: str = PolicyOpt,
+    budget: int | None = BudgetOpt,
+    sinks: int | None = SinksOpt,
+    recent: int | None = RecentOpt,
+    heavy: int | None = HeavyOpt,
+    position: str | None = PositionOpt,
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens with this mass."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Weights: fp32 or bf16."),
+    compile: str = typer.Option(
+        "auto", "--compile", help="auto (when the generation pays for it), always, or never: the decode step."
+    ),
+    prompt_file: Path | None = typer.Option(
+        None, "--prompt-file", help="A soft prompt folder (peft format, from `sparsegen prompt train`) to put first."
+    ),
+) -> None:
+    """Generate from PROMPT on the fast decode path, streaming tokens to stdout as they are made."""
+    from transformers import TextStreamer
+
+    from sparsegen.models import dtype_named, load
+
+    loaded, tokenizer = load(model, dtype=dtype_named(dtype, "--dtype"))
+    if chat:
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    else:
+        encoded = tokenizer(prompt, return_tensors="pt")
+    cache_options = dict(position=position, **budget_parts(budget, sinks, recent, heavy))
+    held = None
+    if prompt_file is not None:  # the soft prompt's KV, read once, is the row's pinned start
+        from sparsegen.prompt import SoftPrompt
+        from sparsegen.prompt.generate import PromptedModel
+
+        held = [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), policy, **cache_options).cache()]
+    from sparsegen.decode import generate as fast_generate
+    from sparsegen.sampling import stop_tokens
+
+    result = fast_generate(
+        loaded,
+        encoded["input_ids"],
+        max_new_tokens,
+        held=held,
+        eos_token_id=sorted(stop_tokens(loaded, tokenizer)),
+        policy=policy,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        compile=compile,
+        streamer=TextStreamer(tokenizer, skip_special_tokens=True),
+        notify=lambda message: err.print(f"[dim]{message}[/]"),
+        **cache_options,
+    )
+    err.print(
+        f"[dim]{sum(map(len, result.tokens))} tokens, {result.tokens_per_s:.1f} tokens/s decoding ({result.mode})[/]"
+    )
+
+
+@app.command()
+def stream(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
+    policies: str = typer.Option(
+        ",".join(METHODS["streamable_policies"]),
+        "--policies",
+        help=f"Comma-separated, of {', '.join(METHODS['policies'])}; full always runs as the reference, up to the "
+        "model's window.",
+    ),
+    budget: int | None = typer.Option(None, "--budget", help="Total KV budget per policy [default: 1024]."),
+    sinks: int | None = SinksOpt,
+    recent: int | None = RecentOpt,
+    heavy: int | None = HeavyOpt,
+    position: str | None = PositionOpt,
+    tokens: int = typer.Option(20000, "--tokens", help="Stream length in tokens."),
+    chunk: int = typer.Option(256, "--chunk", help="Tokens fed per step (1 = exact token-by-token)."),
+    out_dir: Path = typer.Option(Path("results/stream"), "--out"),
+) -> None:
+    """The main job: KV policies on one long stream past the model's window (table, plot, JSON)."""
+    from sparsegen.eval.main_job import STREAM_COLUMNS, stream_job
+    from sparsegen.report import table
+
+    if budget is None and sinks is None and recent is None and heavy is None:
+        budget = 1024
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    results = stream_job(model, text, names, tokens, chunk, out_dir, budget, sinks, recent, heavy, position)
+    import json
+
+    rows = json.loads((out_dir / "results.json").read_text())
+    out.print(table(list(rows.values()), STREAM_COLUMNS, title=f"{model} · {text} · chunk {chunk}"))
+    out.print(
+        f"wrote {out_dir}/results.json, {out_dir}/stream_nll.png and {', '.join(r.nll_file for r in results.values())}"
+    )
+
+
+@app.command()
+def chat(
+    model: str = ModelOpt,
+    policy: str = typer.Option("streaming", "--policy", help=POLICY_HELP),
+    budget: int | None = typer.Option(256, "--budget", help="Total KV budget in tokens."),
+    sinks: int | None = SinksOpt,
+    position: str | None = PositionOpt,
+    mtbench: int = typer.Option(0, "--mtbench", help="Ask the first N MT-Bench turns instead of reading stdin."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    transcript: Path | None = typer.Option(None, "--transcript", help="JSONL transcript [default: results/chat/]."),
+) -> None:
+    """Multi-round streaming chat with a bounded cache: MT-Bench turns, or your lines on stdin."""
+    import json
+    import time
+
+    from sparsegen.bench.measure import current_rss_mb
+    from sparsegen.data import load_mtbench
+    from sparsegen.kv.chat import StreamingChat
+    from sparsegen.models import load
+
+    loaded, tokenizer = load(model)
+    session = StreamingChat(
+        loaded,
+        tokenizer,
+        policy,
+        position=position,
+        max_new_tokens=max_new_tokens,
+        **budget_parts(budget, sinks, None, None),
+    )
+    if mtbench:
+        turns = [turn for question in load_mtbench() for turn in question["turns"]][:mtbench]
+    else:
+        err.print("Type a message per line; Ctrl-D ends the chat.")
+        turns = (line.strip() for line in sys.stdin if line.strip())
+    path = transcript or Path("results/chat") / f"transcript-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as log:
+        for number, turn in enumerate(turns, 1):
+            out.print(f"[bold cyan]user {number}:[/] {turn}")
+            out.print("[bold green]assistant:[/] ", end="")
+            started = time.perf_counter()
+            for piece in session.ask(turn):
+                out.print(piece, end="", markup=False, highlight=False)
+            out.print()
+            record = {
+                "turn": number,
+                "user": turn,
+                "assistant": session.messages[-1]["content"],
+                "seconds": round(time.perf_counter() - started, 2),
+                "tokens_seen": session.cache.get_seq_length(),
+                "tokens_held": session.cache.physical_length(),
+                "rss_mb": round(current_rss_mb(), 1),
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            err.print(
+                f"[dim]tokens seen {record['tokens_seen']}, held {record['tokens_held']}, RSS {record['rss_mb']} MB[/]"
+            )
+    err.print(f"transcript: {path}")
+
+
+@app.command()
+def serve(
+    model: str = ModelOpt,
+    policy: str = typer.Option("streaming", "--policy", help=POLICY_HELP),
+    budget: str | None = typer.Option(
+        "1024", "--budget", help="KV budget per conversation: tokens (1024) or a share of each prompt (0.2)."
+    ),
+    sinks: int | None = SinksOpt,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    max_kv_mb: int = typer.Option(
+        1024, "--max-kv-mb", help="KV memory of every active row and held conversation (held ones dropped LRU)."
+    ),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for KV memory; more get a 429."),
+    prefill_chunk: int = typer.Option(
+        512, "--prefill-chunk", help="Prompt tokens read between decode steps (bounds other clients' stall)."
+    ),
+    max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
+) -> None:
+    """OpenAI-compatible server (chat and completions, streaming) that batches every request into one
+    decode step, with a bounded KV cache per conversation (kv_policy / kv_budget per request)."""
+    import uvicorn
+
+    from sparsegen.kv.base import count_or_share
+    from sparsegen.serve import build_app
+
+    application = build_app(
+        model,
+        policy,
+        budget_parts(count_or_share(budget), sinks, None, None),
+        max_kv_bytes=max_kv_mb << 20,
+        max_tokens_limit=max_tokens_limit,
+        prefill_chunk=prefill_chunk,
+        max_queue=max_queue,
+    )
+    err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
+    uvicorn.run(application, host=host, port=port, log_level="warning")

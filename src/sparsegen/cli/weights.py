@@ -1,0 +1,116 @@
+"""`sparsegen prune` and `sparsegen quantize`: checkpoints with fewer or smaller weights."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from sparsegen.cli.common import METHODS, ModelOpt, app, err, out
+from sparsegen.errors import SparsegenError
+
+
+def _load_to_rewrite(model, method, registry, kind, needs_calibration, calib_text, n_samples, seqlen, seed):
+    """The model with float weights (packed layers decoded), its tokenizer, and calibration ids
+    when the method needs them."""
+    from sparsegen.data import calibration_samples, load_text
+    from sparsegen.models import load
+
+    if method not in registry:
+        raise SparsegenError(f"unknown {kind} method {method!r}; choose one of: {', '.join(sorted(registry))}")
+    loaded, tokenizer = load(model, packed=False)
+    calibration = None
+    if needs_calibration:
+        calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
+    return loaded, tokenizer, calibration
+
+
+@app.command("prune")
+def prune_command(
+    model: str = ModelOpt,
+    method: str = typer.Option("wanda", "--method", help="Pruner: " + ", ".join(METHODS["pruners"]) + "."),
+    sparsity: float = typer.Option(0.5, "--sparsity", help="Share of zeros per layer (unstructured)."),
+    pattern: str = typer.Option("unstructured", "--pattern", help="unstructured, or N:M such as 2:4 or 4:8."),
+    owl: bool = typer.Option(False, "--owl", help="OWL: per-layer ratios from outlier activations."),
+    calib_text: str = typer.Option("shakespeare", "--calib-text", help="Embedded text name or a .txt file."),
+    n_samples: int = typer.Option(
+        128, "--n-samples", help="Calibration sequences (the papers' 128; 32 with --seqlen 512 runs in minutes)."
+    ),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Tokens per calibration sequence."),
+    seed: int = typer.Option(0, "--seed"),
+    compressed: bool = typer.Option(False, "--compressed", help="Store bitmask-compressed weights (smaller)."),
+    out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
+) -> None:
+    """Prune a model layer by layer and write a checkpoint that transformers loads."""
+    from sparsegen.prune import PRUNERS, prune
+    from sparsegen.prune.checkpoint import save_pruned
+    from sparsegen.quant.checkpoint import save_pruned_quantized
+
+    started = time.perf_counter()
+    needs_calibration = method in PRUNERS and (PRUNERS[method].needs_calibration or owl)
+    loaded, tokenizer, calibration = _load_to_rewrite(
+        model, method, PRUNERS, "pruning", needs_calibration, calib_text, n_samples, seqlen, seed
+    )
+    report = prune(loaded, method, sparsity, pattern, calibration=calibration, owl=owl)
+    quantized = getattr(loaded.config, "sparsegen_quantization", None)
+    if quantized is None:
+        save_pruned(loaded, tokenizer, out_dir, report, compressed=compressed)
+    else:
+        err.print(
+            f"the input was quantized: re-quantizing the pruned weights by RTN (int{quantized['bits']}), zeros kept"
+        )
+        save_pruned_quantized(loaded, tokenizer, out_dir, report)
+    out.print(
+        f"{method} {report.pattern}: {report.overall:.2%} of decoder Linear weights are zero "
+        f"(pruning {report.seconds:.1f} s, total {time.perf_counter() - started:.1f} s) -> {out_dir}"
+    )
+
+
+@app.command("quantize")
+def quantize_command(
+    model: str = ModelOpt,
+    bits: int = typer.Option(4, "--bits", help="2 to 8 bits per weight."),
+    group_size: int | None = typer.Option(
+        None,
+        "--group-size",
+        help="Inputs per scale (the largest divisor of a row's inputs not above it); 0: one scale a row. "
+        "Default: 128 up to 4 bits, 0 above (the layouts the CPU's int4 and int8 kernels run).",
+    ),
+    method: str = typer.Option("rtn", "--method", help="Quantizer: " + ", ".join(METHODS["quantizers"]) + "."),
+    symmetric: bool = typer.Option(
+        False, "--symmetric/--asymmetric", help="Levels around zero, or a zero point per group."
+    ),
+    calib_text: str = typer.Option("shakespeare", "--calib-text", help="Embedded text name or a .txt file (GPTQ)."),
+    n_samples: int = typer.Option(128, "--n-samples"),
+    seqlen: int = typer.Option(2048, "--seqlen"),
+    seed: int = typer.Option(0, "--seed"),
+    out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write (compressed-tensors layout)."),
+) -> None:
+    """Quantize the decoder Linear weights (weight-only, per group), keeping pruned zeros zero."""
+    from sparsegen.quant import QUANTIZERS, quantize
+    from sparsegen.quant.checkpoint import save_quantized
+    from sparsegen.quant.size import bits_per_weight
+
+    started = time.perf_counter()
+    needs_calibration = method in QUANTIZERS and QUANTIZERS[method].needs_calibration
+    loaded, tokenizer, calibration = _load_to_rewrite(
+        model, method, QUANTIZERS, "quantization", needs_calibration, calib_text, n_samples, seqlen, seed
+    )
+    report = quantize(loaded, method, bits, group_size, symmetric, calibration=calibration)
+    group_size = report.group_size
+    for used in sorted({g for g in report.group_sizes.values() if g != group_size and group_size}):
+        layers = sorted(name for name, g in report.group_sizes.items() if g == used)
+        err.print(
+            f"group size {group_size} does not divide the inputs of {len(layers)} layer(s) ({layers[0]}, ...): "
+            f"used {used}, the largest divisor not above it (recorded in the checkpoint)"
+        )
+    save_quantized(loaded, tokenizer, out_dir, report)
+    size = bits_per_weight(loaded, report.scheme)
+    sizes = ", ".join(f"{name} g{g}" for name, g in sorted(report.group_sizes.items()))
+    out.print(
+        f"{method} int{bits} ({'symmetric' if symmetric else 'asymmetric'}; groups: {sizes}): "
+        f"{size.stored:.3f} bits/weight as stored ({16 / size.stored:.2f}x smaller than fp16), "
+        f"{size.sparse_packed:.3f} with a sparsity bitmask at density {size.density:.2f} "
+        f"(quantizing {report.seconds:.1f} s, total {time.perf_counter() - started:.1f} s) -> {out_dir}"
+    )
