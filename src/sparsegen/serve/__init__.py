@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from sparsegen.serve.api import create_app
+from sparsegen.serve.app import create_app
 from sparsegen.serve.engine import Engine, Job
 
 __all__ = ["Engine", "Job", "build_app", "create_app"]

@@ -24,8 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.process_collector import ProcessCollector
+from prometheus_client import generate_latest
 
 from sparsegen.decode import Decoder
 from sparsegen.errors import SparsegenError
@@ -34,30 +33,12 @@ from sparsegen.kv.base import Policy, make_policy
 from sparsegen.kv.decode import read
 from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import choose, stop_tokens
+from sparsegen.serve.events import Done, Event, Failed, PromptLogprobs, Token, prompt_entries, token_entry
+from sparsegen.serve.metrics import Metrics
 
 
 class QueueFull(Exception):
     """Too many requests wait for KV memory; the client should retry later."""
-
-
-class Metrics:
-    """Prometheus metrics of one engine (own registry, so several servers can live in one process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        registry = {"registry": self.registry}
-        self.requests = Counter("sparsegen_requests", "Requests answered", ["endpoint", "status"], **registry)
-        self.prompt_tokens = Counter("sparsegen_prompt_tokens", "Prompt tokens received", **registry)
-        self.completion_tokens = Counter("sparsegen_completion_tokens", "Tokens generated", **registry)
-        self.reuses = Counter("sparsegen_conversation_reuses", "Requests that continued a held cache", **registry)
-        self.admitted = Counter("sparsegen_admitted", "Requests admitted, per KV policy", ["policy"], **registry)
-        self.refused = Counter("sparsegen_refused_queue_full", "Requests refused with 429", **registry)
-        self.ttft = Histogram("sparsegen_time_to_first_token_seconds", "Time to first token", **registry)
-        self.kv_bytes = Gauge("sparsegen_kv_bytes_held", "Bytes of keys and values admitted or held", **registry)
-        self.conversations = Gauge("sparsegen_conversations_held", "Conversations held", **registry)
-        self.active = Gauge("sparsegen_active_generations", "Rows prefilling or decoding", **registry)
-        self.queued = Gauge("sparsegen_requests_queued", "Requests waiting for KV memory", **registry)
 
 
 @dataclass
@@ -75,15 +56,15 @@ class Conversation:
 class Job:
     """One request: what to read, how to decode, and where the worker sends what it makes.
 
-    `emit(kind, payload)` is called from the worker thread: ("token", dict) for each decoded
-    piece, then ("done", dict) or ("error", str). `text` is the rendered prompt of a chat (for
-    conversation reuse); completions leave it None and always start a fresh cache. `policy` and
-    `budget` override the engine's KV policy for this request.
+    `emit(event)` is called from the worker thread with the request's events (`serve.events`).
+    `text` is the rendered prompt of a chat (for conversation reuse); completions leave it None
+    and always start a fresh cache. `policy` and `budget` override the engine's KV policy for
+    this request.
     """
 
     prompt_ids: list[int]
     max_tokens: int
-    emit: Callable[[str, object], None]
+    emit: Callable[[Event], None]
     text: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
@@ -216,7 +197,7 @@ class Engine:
                 action(job)
         except Exception as exc:  # one bad request must not take the server down
             self._drop(job)
-            job.emit("error", f"{type(exc).__name__}: {exc}")
+            job.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
     def _drop(self, job: Job) -> None:
         with self._lock:
@@ -297,7 +278,7 @@ class Engine:
             return
         if job.echo:
             logits = torch.cat(job.read_logits)
-            job.emit("prompt_logprobs", self._prompt_logprobs(job.prompt_ids, logits, job.logprobs or 0))
+            job.emit(PromptLogprobs(prompt_entries(job.prompt_ids, logits, job.logprobs or 0)))
             logits = logits[-1]
         job.read_logits = []
         with self._lock:
@@ -319,14 +300,6 @@ class Engine:
         """Rows batch together when they share the policy and its sinks (per-row budgets differ)."""
         return (policy.name, getattr(policy, "sinks", None))
 
-    def _prompt_logprobs(self, ids: list[int], logits: torch.Tensor, top: int) -> list[dict]:
-        """Per prompt token: its log-probability given the tokens before it (None for the first)."""
-        logprobs = logits[:-1].log_softmax(-1)
-        entries = [{"id": ids[0], "logprob": None, "top": None}]
-        for position, token in enumerate(ids[1:]):
-            entries.append(_token_entry(logprobs[position], token, top))
-        return entries
-
     # -- decode, one step for every row of a lane ------------------------------------------------
     def _decode(self, key: tuple, lane: Lane) -> None:
         if not lane.jobs:
@@ -338,7 +311,7 @@ class Engine:
             with self._lock:
                 del self.lanes[key]
             for job in lane.jobs:
-                job.emit("error", f"{type(exc).__name__}: {exc}")
+                job.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
     def _decode_step(self, lane: Lane) -> None:
         jobs = lane.jobs
@@ -366,7 +339,7 @@ class Engine:
 
     def _take_token(self, job: Job, token: int, logits: torch.Tensor) -> str | None:
         """Record one sampled token and send its text; the finish reason when the row is done."""
-        entry = _token_entry(logits.log_softmax(-1), token, job.logprobs or 0) if job.logprobs is not None else None
+        entry = token_entry(logits.log_softmax(-1), token, job.logprobs or 0) if job.logprobs is not None else None
         if not job.generated:
             self.metrics.ttft.observe(time.perf_counter() - job.started)
         job.generated.append(token)
@@ -393,7 +366,7 @@ class Engine:
             if ready.endswith("\ufffd"):
                 ready = ready[:-1]
         if len(ready) > len(job.shown) or entry is not None:
-            job.emit("token", {"text": ready[len(job.shown) :], "logprob": entry})
+            job.emit(Token(ready[len(job.shown) :], entry))
             job.shown = max(ready, job.shown, key=len)
 
     def _complete(self, job: Job, reason: str, cache: PolicyCache | None) -> None:
@@ -413,16 +386,7 @@ class Engine:
         }
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         self.metrics.completion_tokens.inc(len(job.generated))
-        job.emit("done", {"finish_reason": reason, "usage": usage, "text": job.shown})
-
-
-def _token_entry(logprobs: torch.Tensor, token: int, top: int) -> dict:
-    best = logprobs.topk(max(top, 1))
-    return {
-        "id": token,
-        "logprob": float(logprobs[token]),
-        "top": {int(i): float(v) for v, i in zip(best.values, best.indices, strict=True)} if top else None,
-    }
+        job.emit(Done(reason, usage, job.shown))
 
 
 def sampling_defaults(model) -> dict:

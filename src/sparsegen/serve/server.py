@@ -1,0 +1,106 @@
+"""What every route of the app shares: the `Server` (engine, served name, limits, checks,
+submission, a request's events), read from `request.app.state.server`, and the response helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from sparsegen.errors import SparsegenError
+from sparsegen.serve.engine import Engine, Job, QueueFull
+from sparsegen.serve.events import Done, Event, Failed
+from sparsegen.serve.schemas import ApiError, Sampling
+
+
+class Server:
+    """What every route needs: the engine, the name it serves, and the request limits."""
+
+    def __init__(self, engine: Engine, model_id: str, max_tokens_limit: int, context_limit: int | None) -> None:
+        self.engine, self.model_id = engine, model_id
+        self.max_tokens_limit, self.context_limit = max_tokens_limit, context_limit
+
+    def answered(self, request: Request, status: str = "200") -> None:
+        self.engine.metrics.requests.labels(request.url.path, status).inc()
+
+    def check(self, body: Sampling, max_tokens: int, prompt_tokens: int, minimum: int) -> None:
+        """Refuse, as an API error, what this server cannot answer: another model, n > 1, a
+        max_tokens out of range, an unknown KV policy, more than the positions `full` can hold."""
+        if body.model != self.model_id:
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
+                "model",
+                "model_not_found",
+            )
+        if body.n != 1:
+            raise ApiError(400, "only n=1 is supported", "n")
+        if not minimum <= max_tokens <= self.max_tokens_limit:
+            raise ApiError(
+                400, f"max_tokens must be in [{minimum}, {self.max_tokens_limit}], got {max_tokens}", "max_tokens"
+            )
+        budget = None if body.kv_budget is None else {"budget": body.kv_budget}
+        try:
+            policy = self.engine.kv_policy(body.kv_policy, budget)
+        except SparsegenError as exc:
+            raise ApiError(400, str(exc), "kv_budget" if body.kv_budget is not None else "kv_policy") from None
+        if policy.budget_parts() or self.context_limit is None:
+            return
+        if prompt_tokens + max_tokens > self.context_limit:
+            raise ApiError(
+                400,
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"{self.context_limit} tokens the {policy.name!r} policy can hold; shorten the "
+                "conversation or ask for a bounded policy (kv_policy: streaming)",
+                "messages",
+                "context_length_exceeded",
+            )
+
+    def submit(self, job: Job) -> asyncio.Queue:
+        """Hand `job` to the engine; its events arrive on the returned queue. Refusals are API errors."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job.emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+        try:
+            self.engine.submit(job)
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+        except SparsegenError as exc:
+            raise ApiError(400, str(exc), "max_tokens", "kv_memory_exceeded") from None
+        return events
+
+    async def events(self, request: Request, job: Job, queue: asyncio.Queue) -> AsyncIterator[Event]:
+        """The submitted `job`'s events up to its `Done`; a `Failed` is a server error. Cancels the
+        job when the client leaves (or the caller stops reading)."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if isinstance(event, Failed):
+                    raise ApiError(500, f"generation failed: {event.message}", code="internal_error")
+                yield event
+                if isinstance(event, Done):
+                    return
+        finally:
+            job.cancelled.set()
+
+
+def usage(u: dict) -> dict:
+    """OpenAI's usage block from a finished request's counts (`Done.usage`)."""
+    return {
+        "prompt_tokens": u["prompt_tokens"],
+        "completion_tokens": u["completion_tokens"],
+        "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+        "kv_tokens_held": u["kv_tokens_held"],
+    }
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
