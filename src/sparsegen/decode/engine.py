@@ -22,8 +22,9 @@ import torch
 from sparsegen.decode.state import StaticKV, capacity_for, slots_of, stack
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.base import Policy, make_policy
-from sparsegen.kv.cache import PolicyCache, make_cache
-from sparsegen.kv.decode import read
+from sparsegen.kv.cache import PolicyCache
+from sparsegen.kv.factory import make_cache
+from sparsegen.kv.stream import read
 
 COMPILE_MODES = ("auto", "always", "never")
 COMPILE_AFTER = 64  # eager steps before "auto" considers compiling

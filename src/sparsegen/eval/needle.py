@@ -21,7 +21,7 @@ import torch
 
 from sparsegen.data import tokenize_long
 from sparsegen.ioutil import write_json
-from sparsegen.kv.decode import read
+from sparsegen.kv.stream import read
 
 NEEDLE = " The secret passkey is {key}. Remember it: the secret passkey is {key}. "
 QUESTION = "\n\nWhat is the secret passkey? The secret passkey is"

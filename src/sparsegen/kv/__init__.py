@@ -8,8 +8,9 @@ import importlib
 import pkgutil
 
 from sparsegen.kv.base import POLICIES, Policy, Sizes, Step, make_policy, register_policy, settings_help
-from sparsegen.kv.cache import PolicyCache, PolicyLayer, make_cache
-from sparsegen.kv.decode import StreamStep, stream
+from sparsegen.kv.cache import PolicyCache, PolicyLayer
+from sparsegen.kv.factory import make_cache
+from sparsegen.kv.stream import StreamStep, stream
 
 # Every module of this package is imported, so a policy registers itself by existing as a file.
 for _module in pkgutil.iter_modules(__path__):

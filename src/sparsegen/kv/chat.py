@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import torch
 
 from sparsegen.kv.base import Policy
-from sparsegen.kv.cache import make_cache
-from sparsegen.kv.decode import stream
+from sparsegen.kv.factory import make_cache
+from sparsegen.kv.stream import stream
 from sparsegen.sampling import stop_tokens
 
 

@@ -30,7 +30,7 @@ from sparsegen.decode import Decoder
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.base import Policy, make_policy
-from sparsegen.kv.decode import read
+from sparsegen.kv.stream import read
 from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import choose, stop_tokens
 from sparsegen.serve.events import Done, Event, Failed, PromptLogprobs, Token, prompt_entries, token_entry

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.kv.base import Policy
-from sparsegen.kv.cache import PolicyCache, make_cache
+from sparsegen.kv.cache import PolicyCache
+from sparsegen.kv.factory import make_cache
 from sparsegen.sampling import choose
 
 

@@ -1,0 +1,73 @@
+"""make_cache: the `Cache` of a model under a KV policy, one layer per attention layer."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import attention
+from sparsegen.kv.base import Policy
+from sparsegen.kv.cache import PolicyCache, PolicyLayer
+from sparsegen.kv.rope import KeyRotation
+
+POSITIONS = ("original", "rolling")
+
+
+def _layer_types(config) -> list[str]:
+    text_config = config.get_text_config(decoder=True)
+    types = getattr(text_config, "layer_types", None)
+    return list(types) if types else ["full_attention"] * text_config.num_hidden_layers
+
+
+def make_cache(
+    model: torch.nn.Module,
+    policy: str | Policy = "streaming",
+    position: str | None = None,
+    budget: int | None = None,
+    pinned: int = 0,
+    **parts: int | float,
+) -> PolicyCache:
+    """A `Cache` for `model.generate(..., past_key_values=cache)` that applies a KV policy.
+
+    `policy` is a registered name (`full`, `window`, `streaming`, `h2o`, `streaming_h2o`) with its
+    budget as `budget=` (a total, split as the policy needs) or as parts (`sinks=`, `heavy=`,
+    `recent=`; ints are counts, floats < 1 ratios of the prompt). `position` is "original" (keys
+    keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
+    the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
+    never evicted and come on top of the budget. Full-attention layers get the policy; sliding-window layers (Gemma
+    3) keep their own window. The model is switched to sparsegen's wrapper of its attention
+    implementation (same numbers), which is how eviction follows each attention call.
+    """
+    from sparsegen.kv.base import make_policy
+    from sparsegen.kv.rope import find_inv_freq
+
+    policy = make_policy(policy, budget=budget, **parts)
+    position = position or policy.default_position
+    if position not in POSITIONS:
+        raise SparsegenError(f"position must be one of {POSITIONS}, got {position!r}")
+    config = model.config.get_text_config(decoder=True)
+    inv_freq = find_inv_freq(model)
+    if inv_freq is None:
+        raise SparsegenError(
+            f"{type(model).__name__} has no rotary position embedding; KV policies support rotary decoders "
+            "(Llama, Qwen2, Mistral, Gemma 3, ...)"
+        )
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if position == "rolling" and rope_type in ("dynamic", "longrope"):
+        raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
+    rotation = KeyRotation(inv_freq) if position == "rolling" else None
+    layers: list[CacheLayerMixin] = []
+    for index, layer_type in enumerate(_layer_types(model.config)):
+        if layer_type == "full_attention":
+            layers.append(PolicyLayer(policy, rotation, layer_idx=index, pinned=pinned))
+        elif layer_type == "sliding_attention":
+            from transformers.cache_utils import DynamicSlidingWindowLayer
+
+            layers.append(DynamicSlidingWindowLayer(sliding_window=config.sliding_window))
+        else:
+            raise SparsegenError(f"layer type {layer_type!r} is not supported by KV policies")
+    if not any(isinstance(layer, PolicyLayer) for layer in layers):
+        raise SparsegenError("the model has no full-attention layer for a KV policy to apply to")
+    attention.use_policy_attention(model)
+    return PolicyCache(layers, policy, position)
