@@ -9,13 +9,13 @@ import sparsegen
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import windowed_ppl
 from sparsegen.models import decoder_layers
-from sparsegen.prune import InputStats, Pattern, make_pruner, prune
+from sparsegen.prune import PRUNERS, InputStats, Pattern, make_pruner, prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.prune.owl import owl_ratios
 from sparsegen.prune.pipeline import block_linears
 from tests.conftest import build_tiny
 
-METHODS = ["magnitude", "wanda", "sparsegpt"]
+METHODS = list(PRUNERS)
 
 
 def _calibration(n=4, seqlen=32, seed=0):

@@ -51,20 +51,15 @@ def bench_prune(
 ) -> dict:
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.models import load
-    from sparsegen.prune import prune
+    from sparsegen.prune import PRUNERS, prune
     from sparsegen.prune.accelerate import CSRLinear, accelerate
 
     model, tokenizer = load(model_name)
     corpus = load_text(text)
     calibration = calibration_samples(tokenizer, corpus, n_samples, seqlen)
     timing = []
-    for method, pattern in (
-        ("magnitude", None),
-        ("wanda", None),
-        ("sparsegpt", None),
-        ("wanda", "2:4"),
-        ("sparsegpt", "2:4"),
-    ):
+    calibrated = [m for m in PRUNERS if PRUNERS[m].needs_calibration]
+    for method, pattern in [(m, None) for m in PRUNERS] + [(m, "2:4") for m in calibrated]:
         progress(f"pruning time: {method} {pattern or 'unstructured'}")
         model, _ = load(model_name)
         report = prune(model, method, 0.5, pattern, calibration=calibration, progress=False)

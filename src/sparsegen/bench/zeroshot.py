@@ -15,17 +15,10 @@ from pathlib import Path
 from sparsegen.bench.measure import run_meta
 from sparsegen.eval.zeroshot import zeroshot_job
 from sparsegen.ioutil import write_json, write_text
+from sparsegen.prune import PRUNERS
 from sparsegen.report import markdown_table
 
-PRUNE_ROWS = [
-    ("dense", None),
-    ("magnitude", "unstructured"),
-    ("wanda", "unstructured"),
-    ("sparsegpt", "unstructured"),
-    ("magnitude", "2:4"),
-    ("wanda", "2:4"),
-    ("sparsegpt", "2:4"),
-]
+PRUNE_ROWS = [("dense", None)] + [(m, p) for p in ("unstructured", "2:4") for m in PRUNERS]
 KV_POLICIES = ("h2o", "streaming", "window")
 
 

@@ -37,13 +37,14 @@ def prune_quality(
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
     from sparsegen.models import load
-    from sparsegen.prune import prune
+    from sparsegen.prune import PRUNERS, prune
 
     model, tokenizer = load(model_name)
     calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
     held_out = tokenize_long(tokenizer, load_text(eval_text))
-    configs = [(m, 0.5, p, False) for p in (None, "4:8", "2:4") for m in ("magnitude", "wanda", "sparsegpt")]
-    configs += [("wanda", 0.7, None, False), ("wanda", 0.7, None, True), ("sparsegpt", 0.7, None, True)]
+    configs = [(m, 0.5, p, False) for p in (None, "4:8", "2:4") for m in PRUNERS]
+    calibrated = [m for m in PRUNERS if PRUNERS[m].needs_calibration]  # OWL's setting: 70%, with and without
+    configs += [(m, 0.7, None, owl) for m in calibrated for owl in (False, True)]
     rows = [
         {
             "method": "dense",
