@@ -58,8 +58,8 @@ def bench_prune(
     corpus = load_text(text)
     calibration = calibration_samples(tokenizer, corpus, n_samples, seqlen)
     timing = []
-    calibrated = [m for m in PRUNERS if PRUNERS[m].needs_calibration]
-    for method, pattern in [(m, None) for m in PRUNERS] + [(m, "2:4") for m in calibrated]:
+    calibrated = [m for m in sorted(PRUNERS) if PRUNERS[m].needs_calibration]
+    for method, pattern in [(m, None) for m in sorted(PRUNERS)] + [(m, "2:4") for m in calibrated]:
         progress(f"pruning time: {method} {pattern or 'unstructured'}")
         model, _ = load(model_name)
         report = prune(model, method, 0.5, pattern, calibration=calibration, progress=False)

@@ -18,7 +18,7 @@ from sparsegen.ioutil import write_json, write_text
 from sparsegen.prune import PRUNERS
 from sparsegen.report import markdown_table
 
-PRUNE_ROWS = [("dense", None)] + [(m, p) for p in ("unstructured", "2:4") for m in PRUNERS]
+PRUNE_ROWS = [("dense", None)] + [(m, p) for p in ("unstructured", "2:4") for m in sorted(PRUNERS)]
 KV_POLICIES = ("h2o", "streaming", "window")
 
 

@@ -42,8 +42,8 @@ def prune_quality(
     model, tokenizer = load(model_name)
     calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
     held_out = tokenize_long(tokenizer, load_text(eval_text))
-    configs = [(m, 0.5, p, False) for p in (None, "4:8", "2:4") for m in PRUNERS]
-    calibrated = [m for m in PRUNERS if PRUNERS[m].needs_calibration]  # OWL's setting: 70%, with and without
+    configs = [(m, 0.5, p, False) for p in (None, "4:8", "2:4") for m in sorted(PRUNERS)]
+    calibrated = [m for m in sorted(PRUNERS) if PRUNERS[m].needs_calibration]  # OWL's setting: 70%, with and without
     configs += [(m, 0.7, None, owl) for m in calibrated for owl in (False, True)]
     rows = [
         {

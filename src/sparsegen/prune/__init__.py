@@ -1,8 +1,14 @@
 """Weight sparsity: magnitude, Wanda and SparseGPT pruning, unstructured or N:M, layer by layer."""
 
-from sparsegen.prune import magnitude, sparsegpt, wanda  # noqa: F401  (register pruners)
+import importlib
+import pkgutil
+
 from sparsegen.prune.base import PRUNERS, InputStats, Pattern, Pruner, make_pruner, register_pruner
 from sparsegen.prune.pipeline import PruneReport, prune
+
+# Every module of this package is imported, so a pruner registers itself by existing as a file.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "PRUNERS",

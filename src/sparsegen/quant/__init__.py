@@ -1,7 +1,13 @@
 """Weight quantization that composes with sparsity: round-to-nearest and GPTQ, int2-int8 per group."""
 
-from sparsegen.quant import gptq, rtn  # noqa: F401  (register quantizers)
+import importlib
+import pkgutil
+
 from sparsegen.quant.base import QUANTIZERS, QuantizedWeight, Quantizer, QuantScheme, make_quantizer
 from sparsegen.quant.pipeline import QuantReport, quantize
+
+# Every module of this package is imported, so a quantizer registers itself by existing as a file.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["QUANTIZERS", "QuantReport", "QuantScheme", "QuantizedWeight", "Quantizer", "make_quantizer", "quantize"]
