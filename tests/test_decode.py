@@ -201,3 +201,24 @@ def test_each_row_holds_at_most_its_budget_in_fixed_buffers():
         logits = decoder.step(logits.argmax(-1))
         assert decoder.state.live_tokens().max() <= 9
     assert decoder.state.live_tokens().tolist() == [9, 9] and decoder.state.kv_bytes() == buffers
+
+
+def test_generate_leaves_the_model_as_given():
+    """Compiling patches the Linear layers' forward and policies switch the attention implementation;
+    generate() undoes what it did, and the undo functions restore what make_cache and use_gemv did."""
+    from sparsegen.decode.engine import restore_linears, use_gemv
+    from sparsegen.kv.attention import restore_attention
+
+    model = build_tiny("llama")
+    before = model.config._attn_implementation
+    out = generate(model, [list(range(3, 19))], 4, compile="always", eos_token_id=[])
+    assert out.mode == "compiled"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    patched = use_gemv(model)
+    assert patched and all("forward" in m.__dict__ for m in patched)
+    restore_linears(patched)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    make_cache(model, "streaming", budget=8)
+    assert model.config._attn_implementation != before
+    restore_attention(model)
+    assert model.config._attn_implementation == before

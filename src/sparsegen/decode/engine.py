@@ -58,13 +58,19 @@ def _gemv_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_gemv(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """Give every `nn.Linear` of `model` the decode step's few-row product (`linear`), for good:
-    the compiled step's graph is traced through it. The values are `F.linear`'s. Returns the
-    layers it changed."""
+    """Give every `nn.Linear` of `model` the decode step's few-row product (`linear`) until
+    `restore_linears` gets the returned list: the compiled step's graph is traced through it.
+    The values are `F.linear`'s."""
     patched = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
     for module in patched:
         module.forward = types.MethodType(_gemv_forward, module)
     return patched
+
+
+def restore_linears(patched: list[torch.nn.Linear]) -> None:
+    """Undo `use_gemv`: the layers it changed get their own `forward` back."""
+    for module in patched:
+        module.__dict__.pop("forward", None)
 
 
 @contextmanager
@@ -74,8 +80,7 @@ def few_row_linears(model: torch.nn.Module):
     try:
         yield
     finally:
-        for module in patched:
-            del module.forward
+        restore_linears(patched)
 
 
 def _say_to_stderr(message: str) -> None:
@@ -128,6 +133,7 @@ class Decoder:
         self._step: Callable = self._eager
         self._steps = 0
         self._remaining = 0
+        self.patched: list[torch.nn.Linear] = []
 
     # -- rows in, rows out ------------------------------------------------------------------
     def new_cache(self, prompt_length: int) -> PolicyCache:
@@ -229,8 +235,14 @@ class Decoder:
             self.compile = "never"
             return
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
-        use_gemv(self.model)
+        self.patched = use_gemv(self.model)  # kept while the compiled step lives; `release()` undoes it
         self._step, self.mode = torch.compile(self._eager, dynamic=False), "compiled"
+
+    def release(self) -> None:
+        """Give the model back as it was given: compiling replaced its Linear layers' `forward`
+        (the graph is traced through the few-row product). The decoder steps eagerly after this."""
+        restore_linears(self.patched)
+        self.patched, self._step, self.mode, self.compile = [], self._eager, "eager", "never"
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

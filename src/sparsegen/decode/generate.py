@@ -83,7 +83,8 @@ def generate(
         raise SparsegenError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts = _rows(input_ids, attention_mask)
     stops = stop_tokens(model) if eos_token_id is None else as_token_set(eos_token_id)
-    if decoder is None:
+    own_decoder = decoder is None
+    if own_decoder:
         options = {"notify": notify} if notify is not None else {}
         decoder = Decoder(
             model,
@@ -120,5 +121,8 @@ def generate(
     if streamer is not None:
         streamer.end()
     steps -= decoder.mode == "compiled"  # the step that compiled is not counted
+    mode = decoder.mode
+    if own_decoder:
+        decoder.release()  # the model as the caller gave it (a passed decoder is the caller's)
     tokens = [until_stop(row, stops) for row in torch.stack(made, 1).tolist()]
-    return Generation(tokens, decoder.mode, decoder.compile_s, prefill_s, decode_s, steps, len(prompts))
+    return Generation(tokens, mode, decoder.compile_s, prefill_s, decode_s, steps, len(prompts))

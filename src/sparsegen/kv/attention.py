@@ -100,3 +100,10 @@ def use_policy_attention(model: torch.nn.Module) -> None:
             "attn_implementation='sdpa' or 'eager'"
         )
     model.set_attn_implementation(PREFIX + current)
+
+
+def restore_attention(model: torch.nn.Module) -> None:
+    """Undo `use_policy_attention`: the model's own attention implementation again."""
+    current = model.config._attn_implementation
+    if current.startswith(PREFIX):
+        model.set_attn_implementation(current[len(PREFIX) :])

@@ -37,7 +37,8 @@ def make_cache(
     the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
     never evicted and come on top of the budget. Full-attention layers get the policy; sliding-window layers (Gemma
     3) keep their own window. The model is switched to sparsegen's wrapper of its attention
-    implementation (same numbers), which is how eviction follows each attention call.
+    implementation (same numbers), which is how eviction follows each attention call;
+    `sparsegen.kv.attention.restore_attention(model)` switches it back.
     """
     from sparsegen.kv.base import make_policy
     from sparsegen.kv.rope import find_inv_freq
