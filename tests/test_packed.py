@@ -113,3 +113,10 @@ def test_packed_models_refuse_what_needs_float_weights(capsys):
         prune(model, "magnitude", 0.5, progress=False)
     with pytest.raises(SparsegenError, match="packed=False"):
         quantize(model, "rtn", 4, progress=False)
+
+
+def test_a_packed_model_is_not_saved_again(tmp_path):
+    model = build_tiny("llama")
+    report = quantize(model, "rtn", 4, 32, False, progress=False, pack=True)
+    with pytest.raises(SparsegenError, match="cannot save it as a checkpoint: this model's Linear layers are packed"):
+        save_quantized(model, None, tmp_path / "q", report)

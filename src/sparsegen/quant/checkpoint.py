@@ -55,6 +55,9 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantRe
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
 
+    from sparsegen.quant.packed import require_float_linears
+
+    require_float_linears(model, "save it as a checkpoint")
     if not report.grids:
         raise SparsegenError("nothing to save: the report holds no quantized layers (run quantize first)")
     out = Path(out)
