@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from sparsegen.errors import SparsegenError
+
 # What each row quantizes: RTN, asymmetric, at the default group size of its bits (int4: 128
 # inputs, 96 on SmolLM2's 576-wide rows, run as groups of 32; int8: one scale a row).
 SCHEMES = {"int8": 8, "int4": 4}
@@ -67,8 +69,9 @@ def llama_cpp_row(python: str, model_name: str, prompt: list[int], new_tokens: i
         )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"llama.cpp worker failed under {python}: {last}")
+        raise SparsegenError(f"llama.cpp failed under {python} ({last}); is llama-cpp-python installed there?")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    kinds = sorted({t.tensor_type.name for t in GGUFReader(str(path)).tensors})
-    weight_mb = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors) / 1e6
+    tensors = GGUFReader(str(path)).tensors
+    kinds = sorted({t.tensor_type.name for t in tensors})
+    weight_mb = sum(int(t.n_bytes) for t in tensors) / 1e6
     return {**result, "weight_mb": weight_mb, "gguf": f"{path.name} ({', '.join(kinds)})"}

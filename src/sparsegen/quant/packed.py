@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sparsegen.errors import SparsegenError
+from sparsegen.quant.base import Grid, QuantScheme
 
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the int4 kernel takes, largest first
@@ -141,7 +142,7 @@ def say_unpacked(unpacked: dict[str, str]) -> None:
     )
 
 
-def pack_quantized(model: nn.Module, grids: dict, scheme) -> dict[str, str]:
+def pack_quantized(model: nn.Module, grids: dict[str, Grid], scheme: QuantScheme) -> dict[str, str]:
     """Swap each quantized Linear of `model` (named in `grids`, holding its dequantized weight) for
     its packed layer; return {name: why} for those no kernel takes, which stay float."""
     unpacked = {}
