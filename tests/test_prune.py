@@ -8,11 +8,11 @@ from transformers import AutoModelForCausalLM
 import sparsegen
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import windowed_ppl
+from sparsegen.layerwise import block_linears
 from sparsegen.models import decoder_layers
 from sparsegen.prune import PRUNERS, InputStats, Pattern, make_pruner, prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.prune.owl import owl_ratios
-from sparsegen.prune.pipeline import block_linears
 from tests.conftest import build_tiny
 
 METHODS = sorted(PRUNERS)

@@ -33,3 +33,16 @@ def save_torch(path: Path, obj: Any) -> None:
     import torch  # here, so that the modules that only write JSON or text start without torch
 
     _atomic(Path(path), lambda h: torch.save(obj, h))
+
+
+def save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, to a temporary name beside `path` and then renamed (no copy in memory)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata or {"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

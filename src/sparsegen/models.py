@@ -142,9 +142,12 @@ def _from_pretrained(source: str, kwargs: dict, packed: bool = True) -> PreTrain
     return _assemble(source, config, state, layers, dtype, kwargs.get("attn_implementation"))
 
 
-def _assemble(source, config, state: dict, layers: dict, dtype: torch.dtype, attn_implementation) -> PreTrainedModel:
+def _assemble(
+    source, config, state: dict, layers: dict, dtype: torch.dtype, attn_implementation, away: str | None = None
+) -> PreTrainedModel:
     """The model of `config` holding `state` and the given modules, built on the meta device so no
-    weight is ever allocated twice (a packed model never holds its float weights)."""
+    weight is ever allocated twice (a packed model never holds its float weights). Weights whose
+    names start with `away` stay on the meta device (read later, block by block)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     for name, module in layers.items():
@@ -152,7 +155,8 @@ def _assemble(source, config, state: dict, layers: dict, dtype: torch.dtype, att
     state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = {key for key in missing if key.rpartition(".")[0] not in layers} - tied
+    missing = {key for key in missing if key.rpartition(".")[0] not in layers and not (away and key.startswith(away))}
+    missing -= tied
     if missing or unexpected:
         raise SparsegenError(
             f"{source}: the weights do not fit the config (missing {sorted(missing)[:3]}, "

@@ -316,3 +316,23 @@ def bench_contextual_command(
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
     )
     out.print((out_dir / "bench_contextual.md").read_text())
+
+
+@bench_app.command("random-model")
+def bench_random_model_command(
+    shape: str = typer.Option("7b", "--shape", help="Llama shape: 1b, 7b or 13b (Llama-2's sizes)."),
+    tokenizer: str = typer.Option("smollm2-135m", "--tokenizer", help="Model whose tokenizer (and vocabulary) to use."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (7b in fp32 is 27 GB)."),
+    seed: int = typer.Option(0, "--seed"),
+    out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
+) -> None:
+    """Write a random-weight Llama of a real shape, one block at a time (to measure the from-disk path)."""
+    from transformers import AutoTokenizer
+
+    from sparsegen.bench.synthetic import write_random_llama
+    from sparsegen.models import dtype_named, resolve_model_path
+
+    loaded = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
+    folder = write_random_llama(out_dir, shape, loaded, dtype_named(dtype), seed)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
+    out.print(f"random llama {shape} ({dtype}, vocabulary {len(loaded)}): {size:.1f} GB -> {folder}")

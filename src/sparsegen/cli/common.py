@@ -27,6 +27,12 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder or hub id.")
+FromDiskOpt = typer.Option(
+    None,
+    "--from-disk/--in-memory",
+    help="Read (and write) the model one decoder block at a time, holding one block's weights: for models "
+    "larger than RAM. Default: from disk when the weights pass half of the available memory.",
+)
 METHODS = catalog()  # the registries' names and help, read without torch once they are cached
 POLICY_HELP = f"KV policy. {METHODS['policy_help']}."
 PolicyOpt = typer.Option("full", "--policy", help=POLICY_HELP)

@@ -9,6 +9,7 @@ import typer
 from sparsegen.cli.common import (
     METHODS,
     POLICY_HELP,
+    FromDiskOpt,
     ModelOpt,
     PositionOpt,
     SinksOpt,
@@ -55,6 +56,7 @@ def eval_ppl(
     max_windows: int = typer.Option(
         16, "--max-windows", help="Evaluate the first N windows (minutes on a CPU); 0: the whole text."
     ),
+    from_disk: bool | None = FromDiskOpt,
     json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
 ) -> None:
     """Windowed perplexity: non-overlapping windows of SEQLEN, remainder dropped, exp(mean NLL)."""
@@ -62,9 +64,16 @@ def eval_ppl(
     from sparsegen.eval.perplexity import windowed_ppl
     from sparsegen.ioutil import write_json
     from sparsegen.models import load
+    from sparsegen.scale import DiskBlocks, open_lazy, too_large_for_ram
 
-    loaded, tokenizer = load(model)
-    result = windowed_ppl(loaded, tokenize_long(tokenizer, load_text(text)), seqlen, max_windows or None)
+    blocks = None
+    if from_disk or from_disk is None and too_large_for_ram(model):
+        loaded, tokenizer, checkpoint = open_lazy(model)
+        blocks = DiskBlocks(loaded, checkpoint)
+    else:
+        loaded, tokenizer = load(model)
+    ids = tokenize_long(tokenizer, load_text(text))
+    result = windowed_ppl(loaded, ids, seqlen, max_windows or None, blocks=blocks)
     summary = {"model": model, "text": text, **result.summary()}
     out.print(f"perplexity {result.ppl:.3f} ({result.windows} windows x {seqlen} tokens of {text})")
     if json_out is not None:

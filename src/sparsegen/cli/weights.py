@@ -7,23 +7,38 @@ from pathlib import Path
 
 import typer
 
-from sparsegen.cli.common import METHODS, ModelOpt, app, err, out
+from sparsegen.cli.common import METHODS, FromDiskOpt, ModelOpt, app, err, out
 from sparsegen.errors import SparsegenError
 
 
-def _load_to_rewrite(model, method, registry, kind, needs_calibration, calib_text, n_samples, seqlen, seed):
-    """The model with float weights (packed layers decoded), its tokenizer, and calibration ids
-    when the method needs them."""
+def _load_to_rewrite(registry, kind, from_disk, out_dir, job):
+    """The model with float weights (packed layers decoded), its tokenizer, calibration ids when
+    the method needs them, and where its blocks live: in memory, or streamed from disk to `out_dir`."""
     from sparsegen.data import calibration_samples, load_text
-    from sparsegen.models import load
+    from sparsegen.layerwise import IN_MEMORY
+    from sparsegen.models import load, resolve_model_path
+    from sparsegen.scale import DiskBlocks, open_lazy, too_large_for_ram
 
-    if method not in registry:
-        raise SparsegenError(f"unknown {kind} method {method!r}; choose one of: {', '.join(sorted(registry))}")
-    loaded, tokenizer = load(model, packed=False)
+    if job["method"] not in registry:
+        raise SparsegenError(f"unknown {kind} method {job['method']!r}; choose one of: {', '.join(sorted(registry))}")
+    job["model"] = resolve_model_path(job["model"])
+    if from_disk is None and too_large_for_ram(job["model"]):
+        err.print("the weights pass half of the available memory: reading and writing one block at a time")
+        from_disk = True
+    if from_disk:
+        loaded, tokenizer, checkpoint = open_lazy(job["model"])
+        if checkpoint.quantization is not None:
+            raise SparsegenError(f"{job['model']} is quantized; rewrite it in memory (--in-memory)")
+        blocks = DiskBlocks(loaded, checkpoint, out_dir, job)
+        if blocks.resumed_blocks:
+            err.print(f"resuming: {blocks.resumed_blocks} of {blocks.count} blocks were written by an earlier run")
+    else:
+        (loaded, tokenizer), blocks = load(job["model"], packed=False), IN_MEMORY
     calibration = None
-    if needs_calibration:
-        calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen, seed)
-    return loaded, tokenizer, calibration
+    if job["calibration"]:
+        text = load_text(job["calib_text"])
+        calibration = calibration_samples(tokenizer, text, job["n_samples"], job["seqlen"], job["seed"])
+    return loaded, tokenizer, calibration, blocks
 
 
 @app.command("prune")
@@ -40,21 +55,27 @@ def prune_command(
     seqlen: int = typer.Option(2048, "--seqlen", help="Tokens per calibration sequence."),
     seed: int = typer.Option(0, "--seed"),
     compressed: bool = typer.Option(False, "--compressed", help="Store bitmask-compressed weights (smaller)."),
+    from_disk: bool | None = FromDiskOpt,
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
 ) -> None:
     """Prune a model layer by layer and write a checkpoint that transformers loads."""
     from sparsegen.prune import PRUNERS, prune
-    from sparsegen.prune.checkpoint import save_pruned
+    from sparsegen.prune.checkpoint import save_pruned, sparsity_config
     from sparsegen.quant.checkpoint import save_pruned_quantized
 
     started = time.perf_counter()
     needs_calibration = method in PRUNERS and (PRUNERS[method].needs_calibration or owl)
-    loaded, tokenizer, calibration = _load_to_rewrite(
-        model, method, PRUNERS, "pruning", needs_calibration, calib_text, n_samples, seqlen, seed
-    )
-    report = prune(loaded, method, sparsity, pattern, calibration=calibration, owl=owl)
+    job = dict(command="prune", model=model, method=method, sparsity=sparsity, pattern=pattern, owl=owl)
+    job |= dict(calibration=needs_calibration, calib_text=calib_text, n_samples=n_samples, seqlen=seqlen, seed=seed)
+    if compressed and from_disk:
+        raise SparsegenError("--compressed stores the whole model in one file; drop it with --from-disk")
+    loaded, tokenizer, calibration, blocks = _load_to_rewrite(PRUNERS, "pruning", from_disk, out_dir, job)
+    report = prune(loaded, method, sparsity, pattern, calibration=calibration, owl=owl, blocks=blocks)
     quantized = getattr(loaded.config, "sparsegen_quantization", None)
-    if quantized is None:
+    if blocks.writes:
+        loaded.config.sparsity_config = sparsity_config(report, compressed=False)
+        blocks.finish()
+    elif quantized is None:
         save_pruned(loaded, tokenizer, out_dir, report, compressed=compressed)
     else:
         err.print(
@@ -85,19 +106,20 @@ def quantize_command(
     n_samples: int = typer.Option(128, "--n-samples"),
     seqlen: int = typer.Option(2048, "--seqlen"),
     seed: int = typer.Option(0, "--seed"),
+    from_disk: bool | None = FromDiskOpt,
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write (compressed-tensors layout)."),
 ) -> None:
     """Quantize the decoder Linear weights (weight-only, per group), keeping pruned zeros zero."""
     from sparsegen.quant import QUANTIZERS, quantize
-    from sparsegen.quant.checkpoint import save_quantized
+    from sparsegen.quant.checkpoint import finish_quantized, save_quantized
     from sparsegen.quant.size import bits_per_weight
 
     started = time.perf_counter()
     needs_calibration = method in QUANTIZERS and QUANTIZERS[method].needs_calibration
-    loaded, tokenizer, calibration = _load_to_rewrite(
-        model, method, QUANTIZERS, "quantization", needs_calibration, calib_text, n_samples, seqlen, seed
-    )
-    report = quantize(loaded, method, bits, group_size, symmetric, calibration=calibration)
+    job = dict(command="quantize", model=model, method=method, bits=bits, group_size=group_size, symmetric=symmetric)
+    job |= dict(calibration=needs_calibration, calib_text=calib_text, n_samples=n_samples, seqlen=seqlen, seed=seed)
+    loaded, tokenizer, calibration, blocks = _load_to_rewrite(QUANTIZERS, "quantization", from_disk, out_dir, job)
+    report = quantize(loaded, method, bits, group_size, symmetric, calibration=calibration, blocks=blocks)
     group_size = report.group_size
     for used in sorted({g for g in report.group_sizes.values() if g != group_size and group_size}):
         layers = sorted(name for name, g in report.group_sizes.items() if g == used)
@@ -105,6 +127,10 @@ def quantize_command(
             f"group size {group_size} does not divide the inputs of {len(layers)} layer(s) ({layers[0]}, ...): "
             f"used {used}, the largest divisor not above it (recorded in the checkpoint)"
         )
+    if blocks.writes:
+        finish_quantized(blocks, report)
+        out.print(f"{method} int{bits}, one block at a time (quantizing {report.seconds:.1f} s) -> {out_dir}")
+        return
     save_quantized(loaded, tokenizer, out_dir, report)
     size = bits_per_weight(loaded, report.scheme)
     sizes = ", ".join(f"{name} g{g}" for name, g in sorted(report.group_sizes.items()))

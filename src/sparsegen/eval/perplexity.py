@@ -11,6 +11,8 @@ import torch
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
+from sparsegen.layerwise import Blocks, blocks_skipped, capture_inputs, run_block
+from sparsegen.models import decoder_layers
 from sparsegen.report import say_estimate
 
 
@@ -33,13 +35,21 @@ def windowed_ppl(
     seqlen: int = 2048,
     max_windows: int | None = None,
     progress: bool = True,
+    blocks: Blocks | None = None,
 ) -> PerplexityResult:
-    """Perplexity of `input_ids` (1-D) over non-overlapping windows of `seqlen` tokens."""
+    """Perplexity of `input_ids` (1-D) over non-overlapping windows of `seqlen` tokens.
+
+    With `blocks` (`scale.disk`), the windows go through the model one decoder block at a time,
+    all windows a block, so only one block's weights are held; the result is the same.
+    """
     windows = input_ids.numel() // seqlen
     if max_windows is not None:
         windows = min(windows, max_windows)
     if windows == 0:
         raise SparsegenError(f"the text has {input_ids.numel()} tokens, fewer than one window of seqlen={seqlen}")
+    if blocks is not None:
+        nll = _layerwise_nll(model, input_ids[: windows * seqlen].view(windows, seqlen), blocks, progress)
+        return PerplexityResult(math.exp(nll), nll, seqlen, windows, windows * seqlen)
     device = next(model.parameters()).device
     total = 0.0
     started = time.perf_counter()
@@ -51,3 +61,22 @@ def windowed_ppl(
             say_estimate(time.perf_counter() - started, windows, "window", "--max-windows for fewer")
     nll = total / (windows * (seqlen - 1))
     return PerplexityResult(math.exp(nll), nll, seqlen, windows, windows * seqlen)
+
+
+def _layerwise_nll(model: torch.nn.Module, windows: torch.Tensor, blocks: Blocks, progress: bool) -> float:
+    """Mean NLL of the windows [count, seqlen], computed block after block over all of them."""
+    layers = decoder_layers(model)
+    hidden, kwargs, _ = capture_inputs(model, windows, batch=1, calibration_dtype=None)
+    for i, block in enumerate(
+        tqdm(layers, desc=f"perplexity @ {windows.shape[1]}", unit="block", disable=not progress)
+    ):
+        with blocks.held(i, block):
+            outputs = run_block(block, hidden, kwargs[i], None)
+        hidden.close()
+        hidden = outputs
+    total, last = 0.0, len(layers) - 1
+    for window, final in zip(windows, hidden, strict=True):
+        with blocks_skipped(layers, lambda index, x, final=final: final if index == last else x):
+            logits = model(window[None], use_cache=False).logits[0, :-1].float()
+        total += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
+    return total / (windows.numel() - windows.shape[0])

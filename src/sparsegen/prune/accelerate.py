@@ -14,8 +14,8 @@ import warnings
 import torch
 from torch import nn
 
+from sparsegen.layerwise import block_linears
 from sparsegen.models import decoder_layers
-from sparsegen.prune.pipeline import block_linears
 
 
 def to_csr(weight: torch.Tensor, index_dtype: torch.dtype = torch.int32) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from sparsegen.errors import SparsegenError
+from sparsegen.layerwise import InputStats
 
 PRUNERS: dict[str, type[Pruner]] = {}
 
@@ -52,34 +53,6 @@ class Pattern:
         if not 0 < n < m:
             raise SparsegenError(f"N:M pattern needs 0 < N < M, got {pattern!r}")
         return cls(n / m, n, m)
-
-
-@dataclass
-class InputStats:
-    """Calibration statistics of one Linear layer's inputs, accumulated over samples."""
-
-    columns: int
-    need_hessian: bool
-    samples: int = 0
-    sq_norm: torch.Tensor | None = None  # sum over tokens of x_j^2, per input column
-    hessian: torch.Tensor | None = None  # (2 / n) sum x x^T, fp32
-
-    def add(self, x: torch.Tensor) -> None:
-        with torch.autocast(x.device.type, enabled=False):  # statistics always in fp32
-            self._add(x.reshape(-1, self.columns).float())
-
-    def _add(self, x: torch.Tensor) -> None:
-        tokens = x.shape[0]
-        if self.sq_norm is None:
-            self.sq_norm = torch.zeros(self.columns, device=x.device)
-        self.sq_norm += x.pow(2).sum(0)
-        if self.need_hessian:
-            if self.hessian is None:
-                self.hessian = torch.zeros(self.columns, self.columns, device=x.device)
-            self.hessian *= self.samples / (self.samples + tokens)
-            x = x * (2 / (self.samples + tokens)) ** 0.5
-            self.hessian += x.t() @ x
-        self.samples += tokens
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, weight: torch.Tensor, damping: float, method: str) -> torch.Tensor:

@@ -21,33 +21,74 @@ import torch
 from torch import nn
 
 from sparsegen.errors import SparsegenError
+from sparsegen.layerwise import Codec, Tensors
 from sparsegen.quant.pipeline import QuantReport
 
 FORMAT = "pack-quantized"
 
 
+def _scheme(report: QuantReport, group_size: int, targets: list[str]):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = QuantizationArgs(
+        num_bits=report.bits,
+        type="int",
+        symmetric=report.symmetric,
+        strategy="group",
+        group_size=group_size,
+        scale_dtype=report.scheme.scale_dtype,
+        observer="minmax",
+    )
+    return QuantizationScheme(targets=targets, weights=weights)
+
+
 def _config(report: QuantReport):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationConfig
 
     by_size: dict[int, list[str]] = {}
     for suffix, size in sorted(report.group_sizes.items()):
         by_size.setdefault(size, []).append(suffix)
     groups = {
-        f"group_{i}": QuantizationScheme(
-            targets=[f"re:.*\\.({'|'.join(suffixes)})$"],
-            weights=QuantizationArgs(
-                num_bits=report.bits,
-                type="int",
-                symmetric=report.symmetric,
-                strategy="group",
-                group_size=size,
-                scale_dtype=report.scheme.scale_dtype,
-                observer="minmax",
-            ),
-        )
+        f"group_{i}": _scheme(report, size, [f"re:.*\\.({'|'.join(suffixes)})$"])
         for i, (size, suffixes) in enumerate(sorted(by_size.items()))
     }
     return QuantizationConfig(config_groups=groups, ignore=["lm_head"], quantization_status="frozen", format=FORMAT)
+
+
+def block_codec(report: QuantReport, prefix: str) -> Codec:
+    """How a quantized block is stored, one at a time: each quantized Linear's weight packed by
+    compressed-tensors' own compressor from the grid `report` holds for it (the layout
+    `save_quantized` writes), and unpacked to its float weight when read back. `prefix` is the
+    blocks' list, e.g. `model.layers`."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry(FORMAT)
+
+    def encode(index: int, tensors: Tensors) -> Tensors:
+        out = dict(tensors)
+        for name, weight in tensors.items():
+            grid = report.grids.get(f"{prefix}.{index}.{name.removesuffix('.weight')}")
+            if grid is None or not name.endswith(".weight"):
+                continue
+            local = {"weight": weight, "weight_scale": grid.scale.to(report.scheme.scale_dtype)}
+            if not report.symmetric:
+                local["weight_zero_point"] = grid.zero_point.to(torch.int8)
+            del out[name]
+            scheme = _scheme(report, grid.group_size, ["Linear"])
+            out.update({name.removesuffix("weight") + key: t for key, t in compressor.compress(local, scheme).items()})
+        return out
+
+    def decode(index: int, tensors: Tensors) -> Tensors:
+        out = _float_tensors(tensors)
+        for module in _quantized_modules(tensors):
+            local = {key: tensors[f"{module}.{key}"] for key in ("weight_packed", "weight_scale", "weight_shape")}
+            if f"{module}.weight_zero_point" in tensors:
+                local["weight_zero_point"] = tensors[f"{module}.weight_zero_point"]
+            group = int(local["weight_shape"][1]) // local["weight_scale"].shape[1]
+            out[f"{module}.weight"] = compressor.decompress(local, _scheme(report, group, ["Linear"]))["weight"]
+        return out
+
+    return Codec(encode, decode)
 
 
 def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantReport) -> Path:
@@ -71,10 +112,7 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantRe
         module.weight_scale = nn.Parameter(grid.scale.to(report.scheme.scale_dtype), requires_grad=False)
         if not report.symmetric:
             module.weight_zero_point.data.copy_(grid.zero_point.to(module.weight_zero_point.dtype))
-    settings = {f.name: getattr(report, f.name) for f in fields(report) if f.name != "grids"}
-    packed.config.sparsegen_quantization = settings
-    if isinstance(getattr(packed.config, "sparsity_config", None), dict):  # pruned before: zeros now packed
-        packed.config.sparsity_config = {**packed.config.sparsity_config, "format": "dense"}
+    _record(packed.config, report)
     compressor = ModelCompressor(quantization_config=config, force_compression_format=FORMAT)
     compressor.compress_model(packed)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
@@ -87,6 +125,22 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantRe
             shutil.rmtree(out)
         os.replace(folder, out)
     return out
+
+
+def _record(config, report: QuantReport) -> None:
+    """Put the run's settings in the model config (a pruned model's zeros are now packed, dense)."""
+    config.sparsegen_quantization = {f.name: getattr(report, f.name) for f in fields(report) if f.name != "grids"}
+    if isinstance(getattr(config, "sparsity_config", None), dict):
+        config.sparsity_config = {**config.sparsity_config, "format": "dense"}
+
+
+def finish_quantized(blocks, report: QuantReport) -> Path:
+    """Complete a checkpoint whose blocks `scale.disk.DiskBlocks` wrote one at a time (`block_codec`)."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    _record(blocks.model.config, report)
+    compressor = ModelCompressor(quantization_config=_config(report), force_compression_format=FORMAT)
+    return blocks.finish(lambda folder: compressor.update_config(str(folder)))
 
 
 def save_pruned_quantized(model: nn.Module, tokenizer, out: str | Path, pruned) -> Path:

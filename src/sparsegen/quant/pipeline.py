@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from sparsegen.errors import SparsegenError
+from sparsegen.layerwise import IN_MEMORY, Blocks, InputStats, capture_inputs, rewrite_layerwise
 from sparsegen.models import decoder_layers
-from sparsegen.prune.base import InputStats
-from sparsegen.prune.pipeline import calibration_inputs, rewrite_layerwise
 from sparsegen.quant.base import Grid, QuantScheme, default_group_size, make_quantizer
 from sparsegen.quant.packed import pack_quantized, require_float_linears, say_unpacked
 
@@ -47,6 +46,7 @@ def quantize(
     batch: int = 8,
     progress: bool = True,
     pack: bool = False,
+    blocks: Blocks = IN_MEMORY,
     **options,
 ) -> QuantReport:
     """Quantize the Linear weights of `model`'s decoder blocks in place (weight-only); return a report.
@@ -69,17 +69,33 @@ def quantize(
     layers = decoder_layers(model)
     prefix = _layers_prefix(model, layers)
     inputs, kwargs, dtype = (
-        calibration_inputs(model, calibration, batch) if quantizer.needs_calibration else (None, None, None)
+        capture_inputs(model, calibration, batch) if quantizer.needs_calibration else (None, None, None)
     )
 
     def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> None:
         result = quantizer.quantize_weight(linear.weight.data, scheme, stats)
         linear.weight.data.copy_(result.weight.to(linear.weight.dtype))
         report.grids[f"{prefix}.{i}.{name}"] = result.grid
-        report.group_sizes[name.rsplit(".", 1)[-1]] = result.group_size
+
+    def record_group(i: int, name: str, linear: nn.Linear) -> None:
+        report.group_sizes[name.rsplit(".", 1)[-1]] = scheme.group_for(linear.in_features)
+
+    from sparsegen.quant.checkpoint import block_codec  # the checkpoint layout builds on this module
 
     desc = f"{method} int{bits} g{group_size}"
-    rewrite_layerwise(layers, quantize_linear, inputs, kwargs, dtype, quantizer.needs_hessian, desc, progress)
+    rewrite_layerwise(
+        layers,
+        quantize_linear,
+        record_group,
+        inputs,
+        kwargs,
+        dtype,
+        quantizer.needs_hessian,
+        desc,
+        progress,
+        blocks,
+        block_codec(report, prefix),
+    )
     report.seconds = time.perf_counter() - started
     if pack:
         say_unpacked(pack_quantized(model, report.grids, scheme))

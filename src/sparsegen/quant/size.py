@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from sparsegen.layerwise import block_linears
 from sparsegen.models import decoder_layers
-from sparsegen.prune.pipeline import block_linears
 from sparsegen.quant.base import QuantScheme
 
 

@@ -1,0 +1,313 @@
+"""Run a model one decoder block at a time over many sequences: what calibration (pruning,
+quantization) and layer-by-layer evaluation share.
+
+The inputs of block 0 are captured for every sequence, then each block runs over all of them and
+its outputs become the next block's inputs (`Hidden`, spilled to files past a share of RAM). A
+`Blocks` source says where a block's weights are while it runs: in the model (the default), or
+read from a checkpoint's shards and written back out (`scale.disk`), so that only one block's
+weights are ever held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from tqdm.auto import tqdm
+
+from sparsegen.models import decoder_layers
+from sparsegen.report import say_estimate
+
+SPILL_SHARE = 0.25  # hidden states beyond this share of the machine's RAM go to files
+
+
+@dataclass
+class InputStats:
+    """Calibration statistics of one Linear layer's inputs, accumulated over samples."""
+
+    columns: int
+    need_hessian: bool
+    samples: int = 0
+    sq_norm: torch.Tensor | None = None  # sum over tokens of x_j^2, per input column
+    hessian: torch.Tensor | None = None  # (2 / n) sum x x^T, fp32
+
+    def add(self, x: torch.Tensor) -> None:
+        with torch.autocast(x.device.type, enabled=False):  # statistics always in fp32
+            self._add(x.reshape(-1, self.columns).float())
+
+    def _add(self, x: torch.Tensor) -> None:
+        tokens = x.shape[0]
+        if self.sq_norm is None:
+            self.sq_norm = torch.zeros(self.columns, device=x.device)
+        self.sq_norm += x.pow(2).sum(0)
+        if self.need_hessian:
+            if self.hessian is None:
+                self.hessian = torch.zeros(self.columns, self.columns, device=x.device)
+            self.hessian *= self.samples / (self.samples + tokens)
+            x = x * (2 / (self.samples + tokens)) ** 0.5
+            self.hessian += x.t() @ x
+        self.samples += tokens
+
+
+def machine_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Hidden:
+    """Hidden states of every sequence batch between two blocks: tensors in RAM, or one raw file
+    per batch, memory-mapped when read, once their total passes `SPILL_SHARE` of RAM."""
+
+    def __init__(self, spill: bool = False) -> None:
+        self._tensors: list[torch.Tensor] = []
+        self._files: list[tuple[str, torch.Size, torch.dtype]] = []
+        self._folder = tempfile.mkdtemp(prefix="sparsegen-hidden-") if spill else None
+
+    @property
+    def spilled(self) -> bool:
+        return self._folder is not None
+
+    def append(self, tensor: torch.Tensor) -> None:
+        if self._folder is None:
+            self._tensors.append(tensor)
+            return
+        path = os.path.join(self._folder, f"{len(self._files)}.bin")
+        tensor.detach().contiguous().view(torch.uint8).numpy().tofile(path)
+        self._files.append((path, tensor.shape, tensor.dtype))
+
+    def __len__(self) -> int:
+        return len(self._files) if self.spilled else len(self._tensors)
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        if not self.spilled:
+            return self._tensors[k]
+        path, shape, dtype = self._files[k]
+        return torch.from_file(path, shared=False, size=shape.numel(), dtype=dtype).view(shape)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[k] for k in range(len(self)))
+
+    def like(self) -> Hidden:
+        return Hidden(self.spilled)
+
+    def close(self) -> None:
+        self._tensors.clear()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How a rewritten block's tensors (names local to the block) are stored, and read back."""
+
+    encode: Callable[[int, Tensors], Tensors]
+    decode: Callable[[int, Tensors], Tensors]
+
+
+class Blocks:
+    """Where block weights live while the blocks run: in the model, always (the default). A
+    subclass may fill a block before it runs and take its weights away after (`scale.disk`)."""
+
+    writes = False  # whether rewritten blocks are written out as they finish (then `finish` the output)
+
+    @contextlib.contextmanager
+    def held(self, index: int, block: nn.Module, codec: Codec | None = None) -> Iterator[bool]:
+        """Hold `block`'s weights while the body runs; yields whether it was rewritten by an
+        earlier, interrupted run (then it is only run, not rewritten)."""
+        yield False
+
+
+IN_MEMORY = Blocks()
+
+
+def block_linears(block: nn.Module) -> dict[str, nn.Linear]:
+    return {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+
+
+def fast_calibration_dtype(device: torch.device) -> torch.dtype | None:
+    """bfloat16 where the hardware computes it natively (CUDA, or CPUs with AVX-512 BF16 / AMX), else None.
+
+    Calibration forwards only produce statistics and the next block's inputs; the published
+    methods run them in half precision on GPUs. Statistics are still accumulated in fp32.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+@contextlib.contextmanager
+def blocks_skipped(layers: nn.ModuleList, output: Callable[[int, torch.Tensor], torch.Tensor]):
+    """Run the model's own forward with every block replaced by `output(index, its input)`: the
+    blocks whose weights are away (on the meta device) run on meta tensors, costing nothing, so
+    the model computes everything around them (masks, rotary tables, the head) as it would."""
+    held: dict[int, torch.Tensor] = {}
+
+    def before(index):
+        def hook(module, args, kwargs):
+            held[index] = args[0] if args else kwargs["hidden_states"]
+            if not _on_meta(module):
+                return None
+            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+            return tree_map(to_meta, args), tree_map(to_meta, kwargs)
+
+        return hook
+
+    def after(index):
+        def hook(module, args, kwargs, out):
+            replaced = output(index, held.pop(index))
+            return replaced if isinstance(out, torch.Tensor) else (replaced, *out[1:])
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(before(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles += [layer.register_forward_hook(after(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def capture_inputs(
+    model: nn.Module, ids: torch.Tensor, batch: int = 8, calibration_dtype: torch.dtype | None | str = "auto"
+) -> tuple[Hidden, list[dict], torch.dtype | None]:
+    """Inputs of block 0 for `ids` [sequences, seqlen] in batches, the keyword arguments each
+    block is called with (recorded from one sequence's pass), and the forward dtype ("auto":
+    `fast_calibration_dtype`). Blocks whose weights are away are not needed."""
+    layers = decoder_layers(model)
+    device = next(p for p in model.parameters() if not p.is_meta).device
+    dtype = fast_calibration_dtype(device) if calibration_dtype == "auto" else calibration_dtype
+    ids = ids.to(device)
+    width = model.config.get_text_config(decoder=True).hidden_size
+    spill = 2 * ids.numel() * width * torch.finfo(model.dtype).bits // 8 > SPILL_SHARE * machine_ram_bytes()
+    inputs, block_kwargs = Hidden(spill), [{} for _ in layers]
+
+    def record(module, args, kwargs):
+        index = next(i for i, layer in enumerate(layers) if layer is module)
+        block_kwargs[index] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+    def first(module, args, kwargs):
+        inputs.append(args[0] if args else kwargs["hidden_states"])
+        raise _Stop
+
+    def stop_after_last(index, hidden):
+        if index == len(layers) - 1:
+            raise _Stop
+        return hidden
+
+    with torch.no_grad():
+        handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+        try:
+            with blocks_skipped(layers, stop_after_last), contextlib.suppress(_Stop):
+                model(ids[:1], use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        handle = layers[0].register_forward_pre_hook(first, with_kwargs=True)
+        try:
+            for start in range(0, ids.shape[0], batch):
+                with contextlib.suppress(_Stop):
+                    model(ids[start : start + batch], use_cache=False)
+        finally:
+            handle.remove()
+    return inputs, block_kwargs, dtype
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def run_block(block: nn.Module, inputs: Hidden, kwargs: dict, dtype: torch.dtype | None) -> Hidden:
+    """The block's outputs for every input batch."""
+    outputs = inputs.like()
+    with torch.no_grad():
+        for hidden in inputs:
+            with _autocast(hidden.device, dtype):
+                out = block(hidden, **kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+def collect_stats(
+    block: nn.Module, inputs: Hidden, kwargs: dict, dtype: torch.dtype | None, need_hessian: bool
+) -> tuple[dict[str, nn.Linear], dict[str, InputStats]]:
+    """Run the block over the inputs, accumulating each Linear's input statistics."""
+    linears = block_linears(block)
+    stats = {name: InputStats(linear.in_features, need_hessian) for name, linear in linears.items()}
+    handles = [
+        linear.register_forward_hook(lambda m, args, out, s=stats[name]: s.add(args[0]))
+        for name, linear in linears.items()
+    ]
+    try:
+        with torch.no_grad():
+            for hidden in inputs:
+                with _autocast(hidden.device, dtype):
+                    block(hidden, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return linears, stats
+
+
+def rewrite_layerwise(
+    layers: nn.ModuleList,
+    rewrite: Callable[[int, str, nn.Linear, InputStats | None], None],
+    record: Callable[[int, str, nn.Linear], None],
+    inputs: Hidden | None,
+    kwargs: list[dict] | None,
+    dtype: torch.dtype | None,
+    need_hessian: bool,
+    desc: str,
+    progress: bool = True,
+    blocks: Blocks = IN_MEMORY,
+    codec: Codec | None = None,
+) -> None:
+    """Call `rewrite(block_index, name, linear, stats)`, then `record(block_index, name, linear)`,
+    on every Linear of every block, in order.
+
+    With calibration `inputs`, each block's statistics come from its dense forward over the
+    outputs of the already rewritten blocks before it (the standard sequential protocol);
+    without, `stats` is None. A block an interrupted run already rewrote (`blocks`) is only
+    recorded and run. `codec` says how `blocks` stores a rewritten block (as it is, by default).
+    """
+    started = time.perf_counter()
+    for i, block in enumerate(tqdm(layers, desc=desc, unit="block", disable=not progress)):
+        if i == 1 and progress:
+            say_estimate(time.perf_counter() - started, len(layers), "block", "--n-samples and --seqlen scale it")
+        with blocks.held(i, block, codec) as finished:
+            if finished or inputs is None:
+                linears, stats = block_linears(block), {}
+            else:
+                linears, stats = collect_stats(block, inputs, kwargs[i], dtype, need_hessian)
+            for name, linear in linears.items():
+                if not finished:
+                    rewrite(i, name, linear, stats.get(name))
+                record(i, name, linear)
+            stats.clear()
+            if inputs is not None and i + 1 < len(layers):
+                outputs = run_block(block, inputs, kwargs[i], dtype)
+                inputs.close()  # the caller hands the inputs over: only one block's are kept
+                inputs = outputs
