@@ -103,7 +103,18 @@ def test_hessian_accumulates_as_two_over_n_x_xt():
     stats = InputStats(5, need_hessian=True)
     for part in x.split(7):
         stats.add(part)
-    torch.testing.assert_close(stats.hessian, 2 / 40 * x.t() @ x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.hessian, 2 / 40 * x.t().double() @ x.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_statistics_do_not_depend_on_how_samples_are_batched():
+    samples = torch.randn(6, 10, 8, generator=torch.Generator().manual_seed(3))
+    together, apart = InputStats(8, need_hessian=True), InputStats(8, need_hessian=True)
+    together.add(samples)
+    for order in ([4, 0], [2], [5, 1, 3]):
+        apart.add(samples[order])
+    assert together.samples == apart.samples == 60
+    torch.testing.assert_close(apart.sq_norm, together.sq_norm, rtol=1e-14, atol=0)
+    torch.testing.assert_close(apart.hessian, together.hessian, rtol=1e-14, atol=1e-15)
 
 
 def test_owl_ratios_average_to_target_and_favour_outlier_blocks():

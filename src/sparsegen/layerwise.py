@@ -17,12 +17,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
+from sparsegen.distributed import all_reduce_sum, broadcast_rewrite, owner, rank_and_size
 from sparsegen.models import decoder_layers
 from sparsegen.report import say_estimate
 
@@ -31,30 +33,50 @@ SPILL_SHARE = 0.25  # hidden states beyond this share of the machine's RAM go to
 
 @dataclass
 class InputStats:
-    """Calibration statistics of one Linear layer's inputs, accumulated over samples."""
+    """Calibration statistics of one Linear layer's inputs, accumulated over samples.
+
+    Each sample's sums are added in float64, so the totals do not depend on how the samples were
+    batched or split over ranks (SparseGPT's masks follow small changes of H^-1 a long way).
+    """
 
     columns: int
     need_hessian: bool
-    samples: int = 0
-    sq_norm: torch.Tensor | None = None  # sum over tokens of x_j^2, per input column
-    hessian: torch.Tensor | None = None  # (2 / n) sum x x^T, fp32
+    samples: int = 0  # tokens seen
+    sq_norm: torch.Tensor | None = None  # sum over tokens of x_j^2, per input column (fp64)
+    gram: torch.Tensor | None = None  # sum over tokens of x x^T (fp64)
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """H = (2 / n) sum x x^T, as SparseGPT and GPTQ define it (fp64)."""
+        return self.gram * (2 / self.samples)
 
     def add(self, x: torch.Tensor) -> None:
-        with torch.autocast(x.device.type, enabled=False):  # statistics always in fp32
-            self._add(x.reshape(-1, self.columns).float())
+        """Add a batch of inputs [..., tokens, columns], one sample (the leading index) at a time."""
+        with torch.autocast(x.device.type, enabled=False):  # statistics always in fp32 and up
+            x = x.float()
+            for sample in x.reshape(-1, x.shape[-2] if x.dim() > 2 else x.shape[0], self.columns):
+                self._add(sample)
 
     def _add(self, x: torch.Tensor) -> None:
-        tokens = x.shape[0]
         if self.sq_norm is None:
-            self.sq_norm = torch.zeros(self.columns, device=x.device)
-        self.sq_norm += x.pow(2).sum(0)
+            self.sq_norm = torch.zeros(self.columns, device=x.device, dtype=torch.float64)
+        self.sq_norm += x.square().sum(0, dtype=torch.float64)
         if self.need_hessian:
-            if self.hessian is None:
-                self.hessian = torch.zeros(self.columns, self.columns, device=x.device)
-            self.hessian *= self.samples / (self.samples + tokens)
-            x = x * (2 / (self.samples + tokens)) ** 0.5
-            self.hessian += x.t() @ x
-        self.samples += tokens
+            if self.gram is None:
+                self.gram = torch.zeros(self.columns, self.columns, device=x.device, dtype=torch.float64)
+            self.gram += x.t() @ x
+        self.samples += x.shape[0]
+
+    def all_reduce(self) -> None:
+        """Sum the statistics of every rank's share of the samples (a no-op in one process)."""
+        if rank_and_size()[1] == 1:
+            return
+        count = torch.tensor([float(self.samples)], dtype=torch.float64, device=self.sq_norm.device)
+        all_reduce_sum(count)
+        all_reduce_sum(self.sq_norm)
+        if self.gram is not None:
+            all_reduce_sum(self.gram)
+        self.samples = int(count.item())
 
 
 def machine_ram_bytes() -> int:
@@ -141,7 +163,7 @@ def fast_calibration_dtype(device: torch.device) -> torch.dtype | None:
     """bfloat16 where the hardware computes it natively (CUDA, or CPUs with AVX-512 BF16 / AMX), else None.
 
     Calibration forwards only produce statistics and the next block's inputs; the published
-    methods run them in half precision on GPUs. Statistics are still accumulated in fp32.
+    methods run them in half precision on GPUs. Statistics are still accumulated in fp32 and up.
     """
     if device.type == "cuda":
         return torch.bfloat16
@@ -269,13 +291,15 @@ def collect_stats(
     finally:
         for handle in handles:
             handle.remove()
+    for stat in stats.values():
+        stat.all_reduce()
     return linears, stats
 
 
 def rewrite_layerwise(
     layers: nn.ModuleList,
-    rewrite: Callable[[int, str, nn.Linear, InputStats | None], None],
-    record: Callable[[int, str, nn.Linear], None],
+    rewrite: Callable[[int, str, nn.Linear, InputStats | None], Any],
+    record: Callable[[int, str, nn.Linear, Any], None],
     inputs: Hidden | None,
     kwargs: list[dict] | None,
     dtype: torch.dtype | None,
@@ -285,13 +309,14 @@ def rewrite_layerwise(
     blocks: Blocks = IN_MEMORY,
     codec: Codec | None = None,
 ) -> None:
-    """Call `rewrite(block_index, name, linear, stats)`, then `record(block_index, name, linear)`,
-    on every Linear of every block, in order.
+    """Call `rewrite(block_index, name, linear, stats)`, then `record(block_index, name, linear,
+    what rewrite returned)`, on every Linear of every block, in order.
 
     With calibration `inputs`, each block's statistics come from its dense forward over the
     outputs of the already rewritten blocks before it (the standard sequential protocol);
     without, `stats` is None. A block an interrupted run already rewrote (`blocks`) is only
-    recorded and run. `codec` says how `blocks` stores a rewritten block (as it is, by default).
+    recorded (with None) and run. Under torchrun, each Linear is rewritten by one rank and sent to
+    the others (`distributed`). `codec` says how `blocks` stores a rewritten block (as it is, by default).
     """
     started = time.perf_counter()
     for i, block in enumerate(tqdm(layers, desc=desc, unit="block", disable=not progress)):
@@ -302,10 +327,13 @@ def rewrite_layerwise(
                 linears, stats = block_linears(block), {}
             else:
                 linears, stats = collect_stats(block, inputs, kwargs[i], dtype, need_hessian)
-            for name, linear in linears.items():
+            for k, (name, linear) in enumerate(linears.items()):
+                result = None
                 if not finished:
-                    rewrite(i, name, linear, stats.get(name))
-                record(i, name, linear)
+                    mine = owner(k) == rank_and_size()[0]
+                    result = rewrite(i, name, linear, stats.get(name)) if mine else None
+                    result = broadcast_rewrite(linear.weight.data, result, owner(k))
+                record(i, name, linear, result)
             stats.clear()
             if inputs is not None and i + 1 < len(layers):
                 outputs = run_block(block, inputs, kwargs[i], dtype)

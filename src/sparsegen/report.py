@@ -90,3 +90,27 @@ def running_mean(values: Sequence[float], width: int) -> tuple[list[int], list[f
         xs.append(start + width // 2)
         ys.append(sum(block) / len(block))
     return xs, ys
+
+
+def plot_bars(panels: dict[str, dict[str, float]], path: str | Path, title: str = "") -> None:
+    """Write a PNG with one horizontal bar chart per panel: {panel (a metric): {label: value}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(label for values in panels.values() for label in values))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 5, 0.4 * len(labels) + 1.5), squeeze=False)
+    for ax, (metric, values) in zip(axes[0], panels.items(), strict=True):
+        ax.barh(range(len(labels)), [values.get(label, float("nan")) for label in labels])
+        ax.set_yticks(range(len(labels)), labels if ax is axes[0][0] else [""] * len(labels), fontsize=8)
+        ax.set_xlabel(metric)
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

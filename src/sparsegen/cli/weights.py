@@ -15,12 +15,14 @@ def _load_to_rewrite(registry, kind, from_disk, out_dir, job):
     """The model with float weights (packed layers decoded), its tokenizer, calibration ids when
     the method needs them, and where its blocks live: in memory, or streamed from disk to `out_dir`."""
     from sparsegen.data import calibration_samples, load_text
+    from sparsegen.distributed import init_from_env
     from sparsegen.layerwise import IN_MEMORY
     from sparsegen.models import load, resolve_model_path
     from sparsegen.scale import DiskBlocks, open_lazy, too_large_for_ram
 
     if job["method"] not in registry:
         raise SparsegenError(f"unknown {kind} method {job['method']!r}; choose one of: {', '.join(sorted(registry))}")
+    init_from_env()  # under torchrun: join the other ranks
     job["model"] = resolve_model_path(job["model"])
     if from_disk is None and too_large_for_ram(job["model"]):
         err.print("the weights pass half of the available memory: reading and writing one block at a time")
@@ -30,8 +32,8 @@ def _load_to_rewrite(registry, kind, from_disk, out_dir, job):
         if checkpoint.quantization is not None:
             raise SparsegenError(f"{job['model']} is quantized; rewrite it in memory (--in-memory)")
         blocks = DiskBlocks(loaded, checkpoint, out_dir, job)
-        if blocks.resumed_blocks:
-            err.print(f"resuming: {blocks.resumed_blocks} of {blocks.count} blocks were written by an earlier run")
+        if blocks.finished:
+            err.print(f"resuming: {len(blocks.finished)} of {blocks.count} blocks were written by an earlier run")
     else:
         (loaded, tokenizer), blocks = load(job["model"], packed=False), IN_MEMORY
     calibration = None
@@ -59,6 +61,7 @@ def prune_command(
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
 ) -> None:
     """Prune a model layer by layer and write a checkpoint that transformers loads."""
+    from sparsegen.distributed import is_writer, leave
     from sparsegen.prune import PRUNERS, prune
     from sparsegen.prune.checkpoint import save_pruned, sparsity_config
     from sparsegen.quant.checkpoint import save_pruned_quantized
@@ -70,8 +73,12 @@ def prune_command(
     if compressed and from_disk:
         raise SparsegenError("--compressed stores the whole model in one file; drop it with --from-disk")
     loaded, tokenizer, calibration, blocks = _load_to_rewrite(PRUNERS, "pruning", from_disk, out_dir, job)
-    report = prune(loaded, method, sparsity, pattern, calibration=calibration, owl=owl, blocks=blocks)
+    writer = is_writer()
+    report = prune(loaded, method, sparsity, pattern, calibration, owl, progress=writer, blocks=blocks)
     quantized = getattr(loaded.config, "sparsegen_quantization", None)
+    leave()
+    if not writer:  # another rank of a torchrun writes
+        return
     if blocks.writes:
         loaded.config.sparsity_config = sparsity_config(report, compressed=False)
         blocks.finish()
@@ -110,6 +117,7 @@ def quantize_command(
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write (compressed-tensors layout)."),
 ) -> None:
     """Quantize the decoder Linear weights (weight-only, per group), keeping pruned zeros zero."""
+    from sparsegen.distributed import is_writer, leave
     from sparsegen.quant import QUANTIZERS, quantize
     from sparsegen.quant.checkpoint import finish_quantized, save_quantized
     from sparsegen.quant.size import bits_per_weight
@@ -119,7 +127,13 @@ def quantize_command(
     job = dict(command="quantize", model=model, method=method, bits=bits, group_size=group_size, symmetric=symmetric)
     job |= dict(calibration=needs_calibration, calib_text=calib_text, n_samples=n_samples, seqlen=seqlen, seed=seed)
     loaded, tokenizer, calibration, blocks = _load_to_rewrite(QUANTIZERS, "quantization", from_disk, out_dir, job)
-    report = quantize(loaded, method, bits, group_size, symmetric, calibration=calibration, blocks=blocks)
+    writer = is_writer()
+    report = quantize(
+        loaded, method, bits, group_size, symmetric, calibration=calibration, progress=writer, blocks=blocks
+    )
+    leave()
+    if not writer:  # another rank of a torchrun writes
+        return
     group_size = report.group_size
     for used in sorted({g for g in report.group_sizes.values() if g != group_size and group_size}):
         layers = sorted(name for name, g in report.group_sizes.items() if g == used)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from sparsegen.distributed import share_of
 from sparsegen.errors import SparsegenError
 from sparsegen.layerwise import (
     IN_MEMORY,
@@ -85,7 +86,7 @@ def prune(
     started = time.perf_counter()
     ratios = [shape.sparsity] * len(layers)
     inputs, kwargs, dtype = (
-        capture_inputs(model, calibration, batch, calibration_dtype) if needs_data else (None, None, None)
+        capture_inputs(model, share_of(calibration), batch, calibration_dtype) if needs_data else (None, None, None)
     )
     if owl:
         scores, hidden = [], inputs
@@ -100,7 +101,7 @@ def prune(
         pruned = pruner.prune_weight(linear.weight.data, Pattern(ratios[i], shape.n, shape.m), stats)
         linear.weight.data.copy_(pruned.to(linear.weight.dtype))
 
-    def count_zeros(i: int, name: str, linear: nn.Linear) -> None:
+    def count_zeros(i: int, name: str, linear: nn.Linear, _: None) -> None:
         zero = int((linear.weight.data == 0).sum())
         report.layers[f"{i}.{name}"] = zero / linear.weight.numel()
         block_counts[i][0] += zero

@@ -8,7 +8,7 @@ from sparsegen.prune.base import InputStats, Pattern, Pruner, mask_lowest, regis
 
 
 def wanda_score(weight: torch.Tensor, stats: InputStats) -> torch.Tensor:
-    return weight.float().abs() * stats.sq_norm.sqrt()[None, :]
+    return weight.float().abs() * stats.sq_norm.sqrt().float()[None, :]
 
 
 @register_pruner

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sparsegen.distributed import share_of
 from sparsegen.errors import SparsegenError
 from sparsegen.layerwise import IN_MEMORY, Blocks, InputStats, capture_inputs, rewrite_layerwise
 from sparsegen.models import decoder_layers
@@ -69,15 +70,17 @@ def quantize(
     layers = decoder_layers(model)
     prefix = _layers_prefix(model, layers)
     inputs, kwargs, dtype = (
-        capture_inputs(model, calibration, batch) if quantizer.needs_calibration else (None, None, None)
+        capture_inputs(model, share_of(calibration), batch) if quantizer.needs_calibration else (None, None, None)
     )
 
-    def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> None:
+    def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> Grid:
         result = quantizer.quantize_weight(linear.weight.data, scheme, stats)
         linear.weight.data.copy_(result.weight.to(linear.weight.dtype))
-        report.grids[f"{prefix}.{i}.{name}"] = result.grid
+        return result.grid
 
-    def record_group(i: int, name: str, linear: nn.Linear) -> None:
+    def record(i: int, name: str, linear: nn.Linear, grid: Grid | None) -> None:
+        if grid is not None:  # None: written by an interrupted run
+            report.grids[f"{prefix}.{i}.{name}"] = grid
         report.group_sizes[name.rsplit(".", 1)[-1]] = scheme.group_for(linear.in_features)
 
     from sparsegen.quant.checkpoint import block_codec  # the checkpoint layout builds on this module
@@ -86,7 +89,7 @@ def quantize(
     rewrite_layerwise(
         layers,
         quantize_linear,
-        record_group,
+        record,
         inputs,
         kwargs,
         dtype,

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from sparsegen.distributed import is_writer
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import save_safetensors, write_json
 from sparsegen.layerwise import Blocks, Codec
@@ -141,10 +142,13 @@ class DiskBlocks(Blocks):
         self.prefix = blocks_prefix(model)
         self.count = len(decoder_layers(model))
         self.out = None if out is None else Path(out)
-        self.writes = self.out is not None
+        self.writes = self.out is not None and is_writer()  # under torchrun, rank 0 writes
+        self.finished: set[int] = set()
         if self.out is not None:
             self.partial = self.out.parent / f".{self.out.name}.partial"
-            self._start(job or {})
+            if self.writes:
+                self._start(job or {})
+            self.finished = {i for i in range(self.count) if self.shard(i).exists()}
 
     def _start(self, job: dict) -> None:
         recorded = self.partial / JOB
@@ -160,14 +164,10 @@ class DiskBlocks(Blocks):
         """The output shard of block `index`; the last shard holds what is not in a block."""
         return self.partial / f"model-{index + 1:05d}-of-{self.count + 1:05d}.safetensors"
 
-    @property
-    def resumed_blocks(self) -> int:
-        return 0 if self.out is None else sum(self.shard(i).exists() for i in range(self.count))
-
     @contextlib.contextmanager
     def held(self, index: int, block: nn.Module, codec: Codec | None = None) -> Iterator[bool]:
         name = f"{self.prefix}.{index}."
-        finished = self.out is not None and self.shard(index).exists()
+        finished = index in self.finished
         if finished:
             with safe_open(str(self.shard(index)), "pt") as handle:
                 keys = handle.keys()
@@ -180,7 +180,7 @@ class DiskBlocks(Blocks):
         del local
         try:
             yield finished
-            if self.out is not None and not finished:
+            if self.writes and not finished:
                 tensors = {key: t.contiguous() for key, t in block.state_dict().items()}
                 tensors = codec.encode(index, tensors) if codec is not None else tensors
                 save_safetensors(self.shard(index), {name + key: t for key, t in tensors.items()})
@@ -191,7 +191,7 @@ class DiskBlocks(Blocks):
     def finish(self, configure: Callable[[Path], None] | None = None) -> Path:
         """Write the shard of what is not in a block, the index, config and tokenizer files, then
         move the folder to `out` (replacing it); `configure(folder)` edits config.json last."""
-        if self.out is None or self.resumed_blocks < self.count:
+        if not self.writes or not all(self.shard(i).exists() for i in range(self.count)):
             raise SparsegenError("finish() needs every block written; run prune or quantize with these blocks first")
         rest = [name for name in self.source.files if not name.startswith(self.prefix + ".")]
         state = self.model.state_dict()
