@@ -21,7 +21,9 @@ pytestmark = pytest.mark.real
 def test_quantization_quality_ordering_on_smollm2(real):
     _, tokenizer = real
     text = load_text("shakespeare")
-    calibration = calibration_samples(tokenizer, text[:2_000_000], n_samples=4, seqlen=256, seed=0)
+    # 16 x 256 tokens: with 4 or 8 samples GPTQ's Hessians are rank-deficient and its result swings
+    # by 2% with the last bits of the sums (37.6 and 38.4 against RTN's 37.3); with 16, 35.6.
+    calibration = calibration_samples(tokenizer, text[:2_000_000], n_samples=16, seqlen=256, seed=0)
     held_out = tokenize_long(tokenizer, text[-300_000:])
     ppl = {}
     for label, bits, method in (("int8", 8, "rtn"), ("rtn4", 4, "rtn"), ("gptq4", 4, "gptq")):

@@ -169,8 +169,8 @@ def test_pruning_with_spilled_hidden_states_is_unchanged(tmp_path, monkeypatch):
 
 
 def test_a_model_of_hundreds_of_mb_prunes_from_disk_holding_a_fraction_of_it(tmp_path, tiny_text):
-    """Peak RSS above what the imports (and modeling code) take stays under a third of the weights."""
-    shape = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=8)
+    """Peak RSS stays well under the weights' size, and what it adds to the imports under a third."""
+    shape = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=20, num_attention_heads=8)
     folder = write_random_llama(tmp_path / "m", shape, tiny_tokenizer(), progress=False)
     size_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
     probe = (
@@ -185,6 +185,6 @@ def test_a_model_of_hundreds_of_mb_prunes_from_disk_holding_a_fraction_of_it(tmp
     done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     base, peak = (float(v) for v in done.stderr.rsplit("RSS ", 1)[1].split())
-    assert size_mb > 700 and peak - base < size_mb / 3, (size_mb, base, peak)
+    assert size_mb > 1200 and peak < 0.7 * size_mb and peak - base < size_mb / 3, (size_mb, base, peak)
     pruned = _state(tmp_path / "p")
     assert all((t == 0).sum(1).eq(t.shape[1] // 2).all() for n, t in pruned.items() if n.endswith("proj.weight"))
