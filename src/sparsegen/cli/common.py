@@ -51,6 +51,19 @@ def budget_parts(budget: int | None, sinks: int | None, recent: int | None, heav
     return parts
 
 
+def reads_from_disk(model: str, from_disk: bool | None) -> bool:
+    """--from-disk / --in-memory as given, else from disk when the weights pass half of the
+    available memory (said on stderr)."""
+    if from_disk is not None:
+        return from_disk
+    from sparsegen.scale import too_large_for_ram
+
+    if too_large_for_ram(model):
+        err.print("the weights pass half of the available memory: reading one block at a time")
+        return True
+    return False
+
+
 SELECTOR_HELP = "; ".join(f"{name}: {summary}" for name, summary in METHODS["selectors"].items())
 HeadSparsityOpt = typer.Option(
     0.0,

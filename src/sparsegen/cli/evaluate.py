@@ -16,6 +16,7 @@ from sparsegen.cli.common import (
     err,
     eval_app,
     out,
+    reads_from_disk,
     registered_names,
 )
 
@@ -64,10 +65,10 @@ def eval_ppl(
     from sparsegen.eval.perplexity import windowed_ppl
     from sparsegen.ioutil import write_json
     from sparsegen.models import load
-    from sparsegen.scale import DiskBlocks, open_lazy, too_large_for_ram
+    from sparsegen.scale import DiskBlocks, open_lazy
 
     blocks = None
-    if from_disk or from_disk is None and too_large_for_ram(model):
+    if reads_from_disk(model, from_disk):
         loaded, tokenizer, checkpoint = open_lazy(model)
         blocks = DiskBlocks(loaded, checkpoint)
     else:

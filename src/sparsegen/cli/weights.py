@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from sparsegen.cli.common import METHODS, FromDiskOpt, ModelOpt, app, err, out
+from sparsegen.cli.common import METHODS, FromDiskOpt, ModelOpt, app, err, out, reads_from_disk
 from sparsegen.errors import SparsegenError
 
 
@@ -18,16 +18,13 @@ def _load_to_rewrite(registry, kind, from_disk, out_dir, job):
     from sparsegen.distributed import init_from_env
     from sparsegen.layerwise import IN_MEMORY
     from sparsegen.models import load, resolve_model_path
-    from sparsegen.scale import DiskBlocks, open_lazy, too_large_for_ram
+    from sparsegen.scale import DiskBlocks, open_lazy
 
     if job["method"] not in registry:
         raise SparsegenError(f"unknown {kind} method {job['method']!r}; choose one of: {', '.join(sorted(registry))}")
     init_from_env()  # under torchrun: join the other ranks
     job["model"] = resolve_model_path(job["model"])
-    if from_disk is None and too_large_for_ram(job["model"]):
-        err.print("the weights pass half of the available memory: reading and writing one block at a time")
-        from_disk = True
-    if from_disk:
+    if reads_from_disk(job["model"], from_disk):
         loaded, tokenizer, checkpoint = open_lazy(job["model"])
         if checkpoint.quantization is not None:
             raise SparsegenError(f"{job['model']} is quantized; rewrite it in memory (--in-memory)")
