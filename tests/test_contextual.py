@@ -15,12 +15,38 @@ from sparsegen.contextual.apply import (
     layer_kept_shares,
     read_bytes,
 )
-from sparsegen.contextual.base import mlp_parts
 from sparsegen.contextual.heads import SparseAttention
 from sparsegen.contextual.input_sparse import InputSparseLinear
+from sparsegen.contextual.parts import mlp_parts
 from sparsegen.errors import SparsegenError
 from sparsegen.models import decoder_layers
 from tests.conftest import build_tiny
+
+# The one table of neuron selectors the tests run over: how each one's MLP runs a decode step.
+# "gathered": a SparseMLP reading only the kept neurons' rows; "masked": a SparseMLP computing
+# every neuron (the choice needs h); "input-sparse": TEAL's projections. Adding a selector adds one
+# row here.
+RUNS = {
+    "oracle": "masked",
+    "predictor": "gathered",
+    "static": "gathered",
+    "teal": "input-sparse",
+    "threshold": "gathered",
+}
+GATHERED = [name for name, runs in RUNS.items() if runs == "gathered"]
+
+
+def test_every_selector_has_a_row_in_the_table():
+    assert set(RUNS) == set(SELECTORS)
+
+
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
+def test_each_selector_runs_as_its_row_says(selector):
+    model = build_tiny("llama")
+    sparsify(model, selector, 0.5, calibration=_ids(), progress=False)
+    mlp = decoder_layers(model)[0].mlp
+    runs = "input-sparse" if not isinstance(mlp, SparseMLP) else "masked" if mlp.selector.needs_hidden else "gathered"
+    assert runs == RUNS[selector]
 
 
 def _ids(n=4, seqlen=24, seed=0):
@@ -44,7 +70,7 @@ def test_everything_kept_generates_the_dense_tokens(arch, selector):
     assert not any(isinstance(m, SparseMLP | InputSparseLinear) for m in model.modules())
 
 
-@pytest.mark.parametrize("selector", ["threshold", "static", "predictor"])
+@pytest.mark.parametrize("selector", GATHERED)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_gathered_mlp_equals_the_dense_mlp_with_unkept_neurons_masked(arch, selector, rows):
     model = build_tiny(arch)
@@ -118,7 +144,7 @@ def test_a_plain_relu_mlp_is_supported():
         assert selector.keep(None, mlp.act_fn(mlp.up_proj(x[0])), None).float().mean() < 0.8
 
 
-@pytest.mark.parametrize("selector", ["threshold", "teal"])
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
 def test_selectors_round_trip_and_refuse_another_model(tmp_path, selector):
     model = build_tiny("qwen2")
     selectors = sparsify(model, selector, 0.5, calibration=_ids(), dense_layers=1, progress=False)
@@ -167,20 +193,18 @@ def test_sparse_mlps_compose_with_a_kv_policy_and_a_pruned_model():
     prune(model, "wanda", 0.5, calibration=_ids(), progress=False)
     prompt = _ids(1, 20, seed=2)
     expected = model.generate(
-        prompt, past_key_values=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
+        prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
     )
     sparsify(model, "threshold", 0.0, calibration=_ids(), progress=False)
-    got = model.generate(
-        prompt, past_key_values=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
-    )
+    got = model.generate(prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False)
     assert torch.equal(got, expected)
     sparsify(model, "threshold", 0.5, calibration=_ids(), progress=False)
     cache = make_cache(model, "streaming", budget=12)
-    model.generate(prompt, past_key_values=cache, max_new_tokens=10, do_sample=False)
+    model.generate(prompt, cache=cache, max_new_tokens=10, do_sample=False)
     assert cache.physical_length() <= 13
 
 
-@pytest.mark.parametrize("selector", ["teal", "static"])
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
 def test_sparse_models_on_the_fast_path_equal_transformers_generate(arch, selector):
     from sparsegen.decode import generate
     from sparsegen.kv import make_cache
@@ -189,7 +213,7 @@ def test_sparse_models_on_the_fast_path_equal_transformers_generate(arch, select
     sparsify(model, selector, 0.4, calibration=_ids(), progress=False)
     prompt = _ids(1, 20, seed=3)
     expected = model.generate(
-        prompt, past_key_values=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
+        prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
     )
     got = generate(model, prompt, 8, policy="h2o", compile="never", eos_token_id=[], heavy=4, recent=6)
     assert got.tokens[0] == expected[0, 20:].tolist()
@@ -197,7 +221,7 @@ def test_sparse_models_on_the_fast_path_equal_transformers_generate(arch, select
 
 def test_quality_curve_and_speed_bench_on_a_tiny_model(tiny_folder, tiny_text, tmp_path):
     from sparsegen.bench.contextual import bench_contextual
-    from sparsegen.contextual.evaluate import quality_curve
+    from sparsegen.contextual.quality import quality_curve
 
     model = build_tiny("llama")
     rows = quality_curve(model, _ids(1, 200)[0], _ids(), ["oracle", "threshold"], [0.0, 0.5], seqlen=50, windows=3)
@@ -226,8 +250,8 @@ def test_quality_curve_and_speed_bench_on_a_tiny_model(tiny_folder, tiny_text, t
 
 
 def test_the_predictor_recovers_a_known_low_rank_rule():
-    from sparsegen.contextual.base import LayerStats
     from sparsegen.contextual.predictor import PredictorSelector
+    from sparsegen.contextual.selector import LayerStats
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 32, generator=gen)
@@ -257,7 +281,7 @@ def test_selectors_saved_in_a_model_folder_load_with_the_model(tiny_folder):
 
 
 def test_existence_counts_the_parts_a_token_needs():
-    from sparsegen.contextual.measure import _needed, _static_error
+    from sparsegen.contextual.existence import _needed, _static_error
 
     orthogonal = torch.eye(4)[None]  # four equal orthogonal parts: k kept leave sqrt(4 - k) / 2
     assert _needed(orthogonal, 0.6).item() == 3
@@ -326,7 +350,7 @@ def test_head_sparse_models_on_the_fast_path_equal_transformers_generate(arch):
     sparsify(model, "predictor", 0.4, calibration=_ids(), head_sparsity=0.75, progress=False)
     prompt = _ids(1, 20, seed=3)
     expected = model.generate(
-        prompt, past_key_values=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
+        prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
     )
     got = generate(model, prompt, 8, policy="h2o", compile="never", eos_token_id=[], heavy=4, recent=6)
     assert got.tokens[0] == expected[0, 20:].tolist()

@@ -15,9 +15,7 @@ SMALL = {name: row.small for name, row in TABLE.items()}
 def _reference(model, ids, policy, budget, new, position=None):
     """transformers' generate() over the policy cache: the eager engine the fast path must equal."""
     cache = make_cache(model, policy, position=position, **budget)
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new, do_sample=False
-    )
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -48,7 +46,7 @@ def test_teacher_forced_logits_match_the_dense_forward(arch):
     torch.testing.assert_close(torch.stack(logits), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "snapkv"])
+@pytest.mark.parametrize("policy", list(SMALL))
 def test_padded_batch_rows_equal_single_rows(policy):
     """Left-padded rows of different lengths: each row is its single-row run (padding never enters
     a cache, never counts as a sink, heavy hitter or recent token)."""
@@ -206,7 +204,7 @@ def test_each_row_holds_at_most_its_budget_in_fixed_buffers():
 def test_generate_leaves_the_model_as_given():
     """Compiling patches the Linear layers' forward and policies switch the attention implementation;
     generate() undoes what it did, and the undo functions restore what make_cache and use_gemv did."""
-    from sparsegen.decode.engine import restore_linears, use_gemv
+    from sparsegen.few_rows import restore_linears, use_gemv
     from sparsegen.kv.attention import restore_attention
 
     model = build_tiny("llama")

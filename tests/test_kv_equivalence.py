@@ -14,7 +14,7 @@ LARGE = {name: row.large for name, row in TABLE.items()}
 def _generate(model, ids, cache, **kw):
     out = model.generate(
         ids,
-        past_key_values=cache,
+        cache=cache,
         max_new_tokens=12,
         output_logits=True,
         return_dict_in_generate=True,
@@ -74,15 +74,13 @@ def test_cache_reused_across_chat_turns_equals_dense():
     gen = torch.Generator().manual_seed(6)
     turn1 = torch.randint(3, 96, (1, 10), generator=gen)
     dense, policy = DynamicCache(), make_cache(model, "h2o", heavy=100, recent=100)
-    out_d = model.generate(turn1, past_key_values=dense, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    out_p = model.generate(turn1, past_key_values=policy, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    out_d = model.generate(turn1, cache=dense, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    out_p = model.generate(turn1, cache=policy, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(out_d, out_p)
     turn2 = torch.randint(3, 96, (1, 6), generator=gen)
-    out_d = model.generate(
-        torch.cat([out_d, turn2], 1), past_key_values=dense, max_new_tokens=5, do_sample=False, pad_token_id=0
-    )
+    out_d = model.generate(torch.cat([out_d, turn2], 1), cache=dense, max_new_tokens=5, do_sample=False, pad_token_id=0)
     out_p = model.generate(
-        torch.cat([out_p, turn2], 1), past_key_values=policy, max_new_tokens=5, do_sample=False, pad_token_id=0
+        torch.cat([out_p, turn2], 1), cache=policy, max_new_tokens=5, do_sample=False, pad_token_id=0
     )
     assert torch.equal(out_d, out_p)
     assert policy.physical_length() == dense.get_seq_length()

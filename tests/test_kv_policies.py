@@ -127,7 +127,7 @@ def test_generate_keeps_physical_length_within_budget(arch, policy):
     model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=cache,
+        cache=cache,
         max_new_tokens=40,
         do_sample=False,
         pad_token_id=0,
@@ -157,7 +157,7 @@ def test_batch_rows_match_single_row_runs(policy):
         max_new_tokens=15,
         do_sample=False,
         pad_token_id=0,
-        past_key_values=make_cache(model, policy, **TABLE[policy].small),
+        cache=make_cache(model, policy, **TABLE[policy].small),
     )
     for row in range(3):
         single = model.generate(
@@ -165,7 +165,7 @@ def test_batch_rows_match_single_row_runs(policy):
             max_new_tokens=15,
             do_sample=False,
             pad_token_id=0,
-            past_key_values=make_cache(model, policy, **TABLE[policy].small),
+            cache=make_cache(model, policy, **TABLE[policy].small),
         )
         length = single.shape[1]  # a row that met the end token is padded in the batch
         assert torch.equal(batch[row, :length], single[0]) and (batch[row, length:] == 0).all()
@@ -181,7 +181,7 @@ def test_padded_batch_is_refused(policy):
         model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=make_cache(model, policy, **TABLE[policy].small),
+            cache=make_cache(model, policy, **TABLE[policy].small),
             max_new_tokens=3,
             pad_token_id=0,
         )
@@ -227,6 +227,6 @@ def test_ratio_budget_resolves_against_the_prompt():
     model = build_tiny("llama")
     ids = torch.randint(3, 96, (1, 50))
     cache = make_cache(model, "h2o", heavy=0.1, recent=0.1)
-    model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert cache.physical_length() == 10
     assert cache.policy_layers()[0].sizes.heavy == 5

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.eval.perplexity import windowed_ppl
+from sparsegen.eval.perplexity import prompted_ppl, windowed_ppl
 from sparsegen.kv import POLICIES
-from sparsegen.prompt import PromptTraining, SoftPrompt, prompt_loss, prompted_ppl, train_prompt
-from sparsegen.prompt.generate import PromptedModel
+from sparsegen.prompt import PromptTraining, SoftPrompt, prompt_loss, train_prompt
+from sparsegen.prompt.prompted import PromptedModel
 from sparsegen.prompt.train import STATE
 from tests.conftest import build_tiny
 
@@ -90,7 +90,7 @@ def test_cached_prompt_generation_equals_recomputing_it_and_is_never_evicted(pol
     tight = PromptedModel(model, prompt, policy, budget=8)
     cache = tight.cache()
     placeholder = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
-    model.generate(placeholder, past_key_values=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    model.generate(placeholder, cache=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
     for layer in cache.policy_layers():
         held = layer.held_positions()
         assert (held[..., :5] == torch.arange(5)).all()

@@ -15,7 +15,15 @@ from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.prune.owl import owl_ratios
 from tests.conftest import build_tiny
 
+# The one table of pruners the tests run over: where each makes an unstructured ratio exact, "row"
+# (every output row) or "matrix" (one threshold a matrix, or a SparseGPT column block: rows differ).
+# Adding a pruner adds one row here.
+EXACT_PER = {"magnitude": "matrix", "sparsegpt": "matrix", "wanda": "row"}
 METHODS = sorted(PRUNERS)
+
+
+def test_every_pruner_has_a_row_in_the_table():
+    assert set(EXACT_PER) == set(PRUNERS)
 
 
 def _calibration(n=4, seqlen=32, seed=0):
@@ -37,7 +45,7 @@ def test_unstructured_sparsity_is_exact_per_layer(arch, method):
     report = prune(model, method, 0.5, calibration=_calibration(), progress=False)
     for name, linear in _linears(model).items():
         w = linear.weight
-        if method in ("magnitude", "sparsegpt"):  # one threshold per matrix / per 128-column block
+        if EXACT_PER[method] == "matrix":  # one threshold per matrix / per 128-column block
             assert int((w == 0).sum()) == int(w.numel() * 0.5), name
         else:
             assert ((w == 0).sum(1) == int(w.shape[1] * 0.5)).all(), name
@@ -137,7 +145,7 @@ def test_checkpoint_round_trip_gives_identical_logits(tmp_path, compressed):
     with torch.no_grad():
         expected = model(ids).logits
         if compressed:
-            loaded = sparsegen.models._from_pretrained(str(folder), {"dtype": torch.float32})
+            loaded = sparsegen.loading._from_pretrained(str(folder), {"dtype": torch.float32})
         else:
             loaded = AutoModelForCausalLM.from_pretrained(folder)
         torch.testing.assert_close(loaded.eval()(ids).logits, expected, rtol=0, atol=0)

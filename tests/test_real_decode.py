@@ -17,7 +17,7 @@ def test_greedy_equals_transformers_generate(real):
         plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
         cache = make_cache(model, "h2o", heavy=64, recent=64)
         sparse = model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=24, do_sample=False
+            ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=24, do_sample=False
         )
     assert generate(model, ids, 24, compile="never", eos_token_id=[]).tokens[0] == plain[0, 300:].tolist()
     fast = generate(model, ids, 24, policy="h2o", heavy=64, recent=64, compile="never", eos_token_id=[])

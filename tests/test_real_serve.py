@@ -7,7 +7,7 @@ from serving import conversation_rss, live_server
 
 from sparsegen.eval.harness import SparsegenLM
 from sparsegen.eval.tasks import task_manager
-from sparsegen.models import resolve_model_path
+from sparsegen.loading import resolve_model_path
 
 pytestmark = pytest.mark.real
 

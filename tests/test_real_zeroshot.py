@@ -10,7 +10,7 @@ from test_cli import run_cli
 import sparsegen
 from sparsegen.eval.harness import SparsegenLM
 from sparsegen.eval.tasks import task_manager
-from sparsegen.models import resolve_model_path
+from sparsegen.loading import resolve_model_path
 from sparsegen.prune import prune
 from sparsegen.prune.checkpoint import save_pruned
 

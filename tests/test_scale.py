@@ -16,9 +16,9 @@ from sparsegen.bench.synthetic import write_random_llama
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import windowed_ppl
 from sparsegen.layerwise import Hidden
-from sparsegen.prune import prune
+from sparsegen.prune import PRUNERS, prune
 from sparsegen.prune.checkpoint import save_pruned
-from sparsegen.quant import quantize
+from sparsegen.quant import QUANTIZERS, quantize
 from sparsegen.quant.checkpoint import finish_quantized, save_quantized
 from sparsegen.scale import DiskBlocks, open_lazy
 
@@ -42,7 +42,7 @@ def _state(folder):
     return state
 
 
-@pytest.mark.parametrize("method", ["wanda", "sparsegpt", "magnitude"])
+@pytest.mark.parametrize("method", sorted(PRUNERS))
 def test_pruning_from_disk_equals_pruning_in_memory(arch, method, tmp_path):
     folder = _saved(arch, tmp_path)
     assert len(list(folder.glob("model*.safetensors"))) > 2
@@ -107,7 +107,7 @@ def test_a_partial_run_with_other_settings_is_refused(tmp_path):
         DiskBlocks(lazy, checkpoint, tmp_path / "out", job={"sparsity": 0.6})
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", sorted(QUANTIZERS))
 def test_quantizing_from_disk_writes_the_checkpoint_save_quantized_writes(method, tmp_path):
     folder = _saved("qwen2", tmp_path)
     model, tokenizer = load(str(folder), packed=False)

@@ -338,7 +338,7 @@ def test_requests_wait_for_kv_memory_and_past_the_queue_get_429():
 
 
 def test_sampling_defaults_come_from_the_generation_config():
-    from sparsegen.serve.engine import sampling_defaults
+    from sparsegen.serve.batching import sampling_defaults
 
     model = build_tiny("llama")
     assert sampling_defaults(model) == {"temperature": 0.0, "top_p": 1.0}

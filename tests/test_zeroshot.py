@@ -11,7 +11,7 @@ import sparsegen
 from sparsegen import SparsegenError
 from sparsegen.eval import tasks as task_data
 from sparsegen.eval.harness import SparsegenLM
-from sparsegen.kv.base import resolve_budget
+from sparsegen.kv.policy import POLICIES, resolve_budget
 
 REQUESTS = [
     ("w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16", " w17 w18 w19"),
@@ -77,11 +77,11 @@ def test_a_soft_prompt_is_read_before_every_request(batch_size):
         _lm(model, policy="h2o", budget=8, soft_prompt=prompt)
 
 
-@pytest.mark.parametrize("policy", ["window", "streaming", "h2o", "streaming_h2o"])
+@pytest.mark.parametrize("policy", [p for p in sorted(POLICIES) if p != "full" and not POLICIES[p].prefill_only])
 def test_a_policy_larger_than_the_request_scores_as_dense(policy):
     model = build_tiny("llama", attn="eager")
     dense = _lm(model).loglikelihood(_instances(), disable_tqdm=True)
-    sparse = _lm(model, policy=policy, budget=64, sinks=2 if "streaming" in policy else None)
+    sparse = _lm(model, policy=policy, budget=64, sinks=2 if "sinks" in POLICIES[policy].budget_parts() else None)
     for (want, _), (got, _) in zip(dense, sparse.loglikelihood(_instances(), disable_tqdm=True), strict=True):
         assert got == pytest.approx(want, abs=1e-4)
 

@@ -6,9 +6,9 @@ from sparsegen.errors import SparsegenError
 
 __version__ = "0.1.0"
 _API = {
-    "DEFAULT_MODEL": "sparsegen.models",
+    "DEFAULT_MODEL": "sparsegen.loading",
     "generate": "sparsegen.decode",
-    "load": "sparsegen.models",
+    "load": "sparsegen.loading",
     "load_text": "sparsegen.data",
     "tokenize_long": "sparsegen.data",
 }

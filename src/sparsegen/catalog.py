@@ -17,22 +17,20 @@ from sparsegen import __version__
 SOURCE = Path(__file__).parent
 
 
-def _summary(cls: type) -> str:
-    return (cls.__doc__ or "").strip().splitlines()[0].rstrip(".") if cls.__doc__ else ""
-
-
 def read_registries() -> dict:
     """The names and one-line help of every registered method, from the registries themselves."""
     from sparsegen.contextual import SELECTORS
-    from sparsegen.kv import POLICIES, settings_help
+    from sparsegen.kv import POLICIES
     from sparsegen.prune import PRUNERS
     from sparsegen.quant import QUANTIZERS
 
     return {
         "policies": sorted(POLICIES),
         "streamable_policies": [name for name, cls in POLICIES.items() if not cls.prefill_only],
-        "policy_help": settings_help(),
-        "selectors": {name: _summary(cls) for name, cls in SELECTORS.items()},
+        "policy_help": POLICIES.help(),
+        "selectors": {name: SELECTORS.summary(name) for name in sorted(SELECTORS)},
+        # those whose choice needs no h, so their MLP can run gathered: the ones a speed bench compares
+        "faster_selectors": sorted(name for name, cls in SELECTORS.items() if not cls.needs_hidden),
         "pruners": sorted(PRUNERS),
         "quantizers": sorted(QUANTIZERS),
     }

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import platform
 import sys
 from collections.abc import Sequence
+from datetime import date
 from pathlib import Path
 
 from rich.table import Table
@@ -114,3 +116,25 @@ def plot_bars(panels: dict[str, dict[str, float]], path: str | Path, title: str 
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     tmp.replace(path)
+
+
+def run_meta(**fields) -> dict:
+    """What every benchmark result records besides its own settings: date, machine, versions."""
+    import torch
+
+    return {
+        **fields,
+        "date": date.today().isoformat(),
+        "machine": f"{cpu_model()}, {platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (hosts of one machine kind differ, and so do their speed tables)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown CPU"

@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparsegen.bench.measure import run_meta
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.report import markdown_table
+from sparsegen.report import markdown_table, run_meta
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,9 @@ def bench_compress_prompt(
 ) -> list[dict]:
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.errors import SparsegenError
-    from sparsegen.models import load
-    from sparsegen.prompt import PromptTraining, SoftPrompt, prompted_ppl, train_prompt
+    from sparsegen.eval.perplexity import prompted_ppl
+    from sparsegen.loading import load
+    from sparsegen.prompt import PromptTraining, SoftPrompt, train_prompt
     from sparsegen.quant.size import bits_per_weight
 
     names = [v.name for v in VARIANTS]

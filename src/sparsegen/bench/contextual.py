@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+from sparsegen.bench.measure import read_bandwidth_gbs
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.report import markdown_table
+from sparsegen.report import markdown_table, run_meta
 
 COLUMNS = [
     ("selector", "selector"),
@@ -77,7 +77,7 @@ def bench_contextual(
     from sparsegen.contextual import densify, install, sparsify
     from sparsegen.contextual.apply import installed_heads
     from sparsegen.data import calibration_samples, load_text
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     model, tokenizer = load(model_name)
     text = load_text(calib_text)

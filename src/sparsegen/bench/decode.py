@@ -14,19 +14,19 @@ import torch
 
 from sparsegen.bench.kv import bytes_per_step, generate_latency
 from sparsegen.bench.measure import in_process as _in_process
-from sparsegen.bench.measure import read_bandwidth_gbs, run_meta, weight_bytes
+from sparsegen.bench.measure import read_bandwidth_gbs, weight_bytes
 from sparsegen.bench.quantized import llama_cpp_row, quality_worker, quantized_checkpoints
 from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.models import DTYPES, kv_bytes_per_token
-from sparsegen.report import markdown_table
+from sparsegen.report import markdown_table, run_meta
 
 
 def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, rows, threads) -> dict:
     """Per-step time of the fast path after `context` tokens per row."""
     from sparsegen.bench.measure import peak_rss_mb
     from sparsegen.decode import generate
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, dtype=DTYPES[dtype])
@@ -49,7 +49,7 @@ def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads) 
     and for a bf16 KV cache under fp32 weights (teacher-forced through the decode step)."""
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.decode import Decoder
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name)
@@ -151,7 +151,7 @@ def bench_decode(
         rows.append({"config": label, **result})
     if llama_cpp:
         progress(f"llama.cpp under {llama_cpp}")
-        from sparsegen.models import load
+        from sparsegen.loading import load
 
         prompt = text_stretches(load(model_name)[1], text, 1, context)[0]
         theirs = llama_cpp_row(llama_cpp, model_name, prompt, new_tokens, threads)
@@ -236,7 +236,7 @@ def bench_throughput(
     """H2O's headline experiment: in one KV memory budget, the largest batch that fits for dense,
     h2o (heavy + recent = 2 x `heavy_share` of the prompt), and streaming of the same size; then
     tokens/s of each at that batch."""
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     threads = threads or torch.get_num_threads()
     model, _ = load(model_name)

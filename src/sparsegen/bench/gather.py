@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsegen.bench.measure import run_meta
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.report import markdown_table
+from sparsegen.report import markdown_table, run_meta
 
 COLUMNS = [
     ("kept", "inputs kept"),
@@ -52,7 +51,7 @@ def bench_gather(
 ) -> list[dict]:
     from sparsegen.contextual.input_sparse import InputSparseLinear
     from sparsegen.contextual.teal import projection_groups
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.prune.pipeline import decoder_layers
 
     model, _ = load(model_name)

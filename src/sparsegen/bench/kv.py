@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from sparsegen.bench.measure import in_process as _in_process
-from sparsegen.bench.measure import read_bandwidth_gbs, run_meta, weight_bytes
+from sparsegen.bench.measure import read_bandwidth_gbs, weight_bytes
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.report import markdown_table, plot_lines
+from sparsegen.report import markdown_table, plot_lines, run_meta
 
 COLUMNS = [
     ("cache", "cache size W"),
@@ -35,7 +35,7 @@ COLUMNS = [
 
 def _prefix(model_name: str, text: str, tokens: int):
     from sparsegen.data import load_text, tokenize_long
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     model, tokenizer = load(model_name)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)[None]
@@ -65,7 +65,7 @@ def generate_latency(
         model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            cache=cache,
             do_sample=False,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
@@ -102,7 +102,7 @@ def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int,
     samples = []
     with torch.inference_mode():
         for start in range(0, tokens, chunk):
-            model(ids[None, start : start + chunk], past_key_values=cache, use_cache=True)
+            model(ids[None, start : start + chunk], cache=cache, use_cache=True)
             done = min(tokens, start + chunk)
             if done % every < chunk or done == tokens:
                 samples.append((done, current_rss_mb(), cache.kv_bytes() / 2**20))
@@ -111,7 +111,8 @@ def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int,
 
 def bytes_per_step(model_name: str) -> tuple[float, float]:
     """MB of weights a decode step reads, and MB of KV per held token (fp32)."""
-    from sparsegen.models import kv_bytes_per_token, load
+    from sparsegen.loading import load
+    from sparsegen.models import kv_bytes_per_token
 
     model, _ = load(model_name)
     return weight_bytes(model) / 1e6, kv_bytes_per_token(model, torch.float32) / 1e6

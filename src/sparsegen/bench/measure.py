@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import platform
 import resource
 import statistics
 import time
-from datetime import date
 
 import torch
 from transformers import LogitsProcessor
@@ -63,26 +61,6 @@ def in_process(fn, *args):
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
-
-
-def run_meta(**fields) -> dict:
-    """What every benchmark result records besides its own settings: date, machine, versions."""
-    return {
-        **fields,
-        "date": date.today().isoformat(),
-        "machine": f"{cpu_model()}, {platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-    }
-
-
-def cpu_model() -> str:
-    """The CPU's model name (hosts of one machine kind differ, and so do their speed tables)."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or "unknown CPU"
 
 
 def read_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import torch
 
-from sparsegen.bench.measure import run_meta
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.report import markdown_table
+from sparsegen.report import markdown_table, run_meta
 
 TIME_COLUMNS = [("method", "method"), ("pattern", "pattern"), ("seconds", "pruning s"), ("vs_wanda", "x Wanda time")]
 SPEED_COLUMNS = [
@@ -31,10 +30,10 @@ def _decode_tok_s(model, ids: torch.Tensor, tokens: int) -> float:
 
     with torch.inference_mode():
         cache = DynamicCache()
-        logits = model(ids, past_key_values=cache).logits
+        logits = model(ids, cache=cache).logits
         start = time.perf_counter()
         for _ in range(tokens):
-            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            logits = model(logits[:, -1:].argmax(-1), cache=cache).logits
     return tokens / (time.perf_counter() - start)
 
 
@@ -50,7 +49,7 @@ def bench_prune(
     gemv_shape: tuple[int, int] = (1536, 576),
 ) -> dict:
     from sparsegen.data import calibration_samples, load_text, tokenize_long
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.prune import PRUNERS, prune
     from sparsegen.prune.accelerate import CSRLinear, accelerate
 

@@ -23,7 +23,7 @@ SCHEMES = {"int8": 8, "int4": 4}
 
 def quantized_checkpoints(model_name: str, out: Path) -> dict[str, Path]:
     """Write each scheme's RTN checkpoint of `model_name` under `out` (rebuilt every run)."""
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.quant import quantize
     from sparsegen.quant.checkpoint import save_quantized
 
@@ -39,7 +39,7 @@ def quality_worker(folder: str, text: str, seqlen: int, windows: int, threads: i
     """Windowed perplexity of the packed model and of its dequantized self on the same windows."""
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     torch.set_num_threads(threads)
     packed, tokenizer = load(folder)
@@ -55,7 +55,7 @@ def llama_cpp_row(python: str, model_name: str, prompt: list[int], new_tokens: i
     """llama.cpp decoding the model's own GGUF after `prompt`, in the interpreter `python`."""
     from gguf import GGUFReader
 
-    from sparsegen.models import gguf_file
+    from sparsegen.loading import gguf_file
 
     path = gguf_file(model_name)
     worker = Path(__file__).with_name("llamacpp_worker.py")

@@ -55,7 +55,7 @@ class ServeConfig:
     @classmethod
     def parse(cls, spec: str) -> ServeConfig:
         """`full`, `h2o:0.2` (a share of each prompt) or `streaming:256` (tokens)."""
-        from sparsegen.kv.base import count_or_share
+        from sparsegen.kv.policy import count_or_share
 
         policy, _, budget = spec.partition(":")
         return cls(spec, policy, count_or_share(budget or None))
@@ -216,11 +216,11 @@ def bench_serve(
     """Measure every (configuration, clients) point; write `bench_serve.md`, `.json` and `.png`."""
     import torch
 
-    from sparsegen.bench.measure import read_bandwidth_gbs, run_meta
+    from sparsegen.bench.measure import read_bandwidth_gbs
     from sparsegen.data import text_stretches
     from sparsegen.ioutil import write_json, write_text
-    from sparsegen.models import load
-    from sparsegen.report import markdown_table, plot_lines
+    from sparsegen.loading import load
+    from sparsegen.report import markdown_table, plot_lines, run_meta
 
     bandwidth = read_bandwidth_gbs()
     model, tokenizer = load(model_name)
@@ -332,7 +332,7 @@ def soak(
     """`requests` mixed requests from `clients` threads (greedy, cancelled, bad fields, too long,
     chat) against one server: its RSS along the way, rows left at the end, greedy answers checked."""
     from sparsegen.data import text_stretches
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     model, tokenizer = load(model_name)
     prompts = [p for length in (24, 96, 200) for p in text_stretches(tokenizer, text, 4, length)]

@@ -12,14 +12,13 @@ import json
 import time
 from pathlib import Path
 
-from sparsegen.bench.measure import run_meta
 from sparsegen.eval.zeroshot import zeroshot_job
 from sparsegen.ioutil import write_json, write_text
+from sparsegen.kv import POLICIES
 from sparsegen.prune import PRUNERS
-from sparsegen.report import markdown_table
+from sparsegen.report import markdown_table, run_meta
 
 PRUNE_ROWS = [("dense", None)] + [(m, p) for p in ("unstructured", "2:4") for m in sorted(PRUNERS)]
-KV_POLICIES = ("h2o", "streaming", "window")
 
 
 def _done(folder: Path, tasks: list[str], limit: int | None) -> dict | None:
@@ -52,7 +51,7 @@ def bench_zeroshot(
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.eval.harness import SparsegenLM
     from sparsegen.eval.tasks import TASKS, check_tasks
-    from sparsegen.models import load, resolve_model_path
+    from sparsegen.loading import load, resolve_model_path
     from sparsegen.prune import prune
 
     tasks = check_tasks(tasks or list(TASKS))
@@ -105,9 +104,12 @@ def bench_zeroshot(
         run(
             out / "kv" / policy,
             {"policy": policy, "budget": share},
-            lambda p=policy: SparsegenLM(loaded=loaded, policy=p, budget=share, sinks=4 if "streaming" in p else None),
+            lambda p=policy: SparsegenLM(
+                loaded=loaded, policy=p, budget=share, sinks=4 if "sinks" in POLICIES[p].budget_parts() else None
+            ),
         )
-        for policy in KV_POLICIES
+        for policy in sorted(POLICIES)
+        if policy != "full"
     ]
     result = run_meta(
         model=model_name,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from sparsegen.cli.common import SELECTOR_HELP, ModelOpt, bench_app, err, out, parse_floats
+from sparsegen.cli.common import METHODS, SELECTOR_HELP, ModelOpt, bench_app, err, out, parse_floats
 from sparsegen.errors import SparsegenError
 
 
@@ -70,9 +70,9 @@ def bench_soak_command(
 ) -> None:
     """A bounded soak of `sparsegen serve`: greedy, cancelled, malformed, too long and chat requests
     from many clients; the server's RSS along the way, rows left at the end, answers checked."""
-    from sparsegen.bench.measure import run_meta
     from sparsegen.bench.serve import ServeConfig, soak
     from sparsegen.ioutil import write_json
+    from sparsegen.report import run_meta
 
     result = soak(
         model, ServeConfig.parse(config), requests, clients, max_tokens, max_kv_mb, progress=lambda m: err.print(m)
@@ -287,7 +287,7 @@ def bench_gather_command(
 @bench_app.command("contextual")
 def bench_contextual_command(
     model: str = ModelOpt,
-    selectors: str = typer.Option("threshold,static", "--selectors", help=SELECTOR_HELP),
+    selectors: str = typer.Option(",".join(METHODS["faster_selectors"]), "--selectors", help=SELECTOR_HELP),
     sparsities: str = typer.Option("0.5", "--sparsities"),
     batches: str = typer.Option("1", "--batches", help="Batch sizes, comma-separated."),
     context: int = typer.Option(256, "--context"),
@@ -330,7 +330,8 @@ def bench_random_model_command(
     from transformers import AutoTokenizer
 
     from sparsegen.bench.synthetic import write_random_llama
-    from sparsegen.models import dtype_named, resolve_model_path
+    from sparsegen.loading import resolve_model_path
+    from sparsegen.models import dtype_named
 
     loaded = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
     folder = write_random_llama(out_dir, shape, loaded, dtype_named(dtype), seed)

@@ -29,10 +29,10 @@ def contextual_measure_command(
     out_dir: Path = typer.Option(Path("results/contextual_measure"), "--out"),
 ) -> None:
     """Does contextual sparsity exist? Neurons and heads each token needs per layer, against a static set."""
-    from sparsegen.contextual.measure import measure_existence
+    from sparsegen.contextual.existence import measure_existence
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.ioutil import write_json, write_text
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.report import markdown_table, plot_lines
 
     if not 0 < tolerance < 1:
@@ -89,7 +89,7 @@ def contextual_train_command(
     from sparsegen.contextual.apply import installed_heads
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.ioutil import write_json
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.report import markdown_table
 
     loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
@@ -120,7 +120,7 @@ def contextual_train_command(
 @contextual_app.command("eval")
 def contextual_eval_command(
     model: str = ModelOpt,
-    selectors: str = typer.Option("oracle,threshold,static", "--selectors", help=SELECTOR_HELP),
+    selectors: str = typer.Option(",".join(METHODS["selectors"]), "--selectors", help=SELECTOR_HELP),
     sparsities: str = typer.Option("0.25,0.4,0.5,0.6", "--sparsities"),
     text: str = typer.Option("milton", "--text", help="A text the calibration does not use."),
     calib_text: str = typer.Option("shakespeare", "--calib-text"),
@@ -131,10 +131,10 @@ def contextual_eval_command(
     out_dir: Path = typer.Option(Path("results/contextual_eval"), "--out"),
 ) -> None:
     """Perplexity, KL and top-1 agreement against dense, per selector and sparsity (table and plot)."""
-    from sparsegen.contextual.evaluate import quality_curve
+    from sparsegen.contextual.quality import quality_curve
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.ioutil import write_json, write_text
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.report import markdown_table, plot_lines
 
     names = registered_names(selectors, METHODS["selectors"], "neuron selector")

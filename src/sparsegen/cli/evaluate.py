@@ -64,7 +64,7 @@ def eval_ppl(
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
     from sparsegen.ioutil import write_json
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.scale import DiskBlocks, open_lazy
 
     blocks = None
@@ -84,7 +84,7 @@ def eval_ppl(
 @eval_app.command("needle")
 def eval_needle(
     model: str = ModelOpt,
-    policies: str = typer.Option("full,window,streaming,h2o,snapkv,tova", "--policies", help=POLICY_HELP),
+    policies: str = typer.Option(",".join(METHODS["policies"]), "--policies", help=POLICY_HELP),
     budgets: str = typer.Option("256,1024", "--budgets", help="Total KV budgets, comma-separated."),
     length: int = typer.Option(2048, "--length", help="Context tokens (filler + needle)."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths, 0 = start of the context."),
@@ -96,7 +96,7 @@ def eval_needle(
     """Passkey retrieval per policy, budget and depth, asked after the context was compressed (heat map)."""
     from sparsegen.data import load_text
     from sparsegen.eval.needle import needle_job, plot_heatmap
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.report import markdown_table
 
     names = registered_names(policies, METHODS["policies"], "KV policy")
@@ -145,7 +145,7 @@ def eval_zeroshot(
     from sparsegen.eval.harness import SparsegenLM
     from sparsegen.eval.tasks import TASKS, check_tasks
     from sparsegen.eval.zeroshot import ZEROSHOT_COLUMNS, summary_rows, zeroshot_job
-    from sparsegen.kv.base import count_or_share
+    from sparsegen.kv.policy import count_or_share
     from sparsegen.report import table
 
     names = check_tasks([t.strip() for t in tasks.split(",") if t.strip()] if tasks else list(TASKS))

@@ -33,7 +33,7 @@ def info(model: str = ModelOpt) -> None:
     from sparsegen import __version__
     from sparsegen.assets import cache_dir
     from sparsegen.kv import POLICIES
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     loaded, tokenizer = load(model)
     config = loaded.config
@@ -73,7 +73,8 @@ def generate(
     """Generate from PROMPT on the fast decode path, streaming tokens to stdout as they are made."""
     from transformers import TextStreamer
 
-    from sparsegen.models import dtype_named, load
+    from sparsegen.loading import load
+    from sparsegen.models import dtype_named
 
     loaded, tokenizer = load(model, dtype=dtype_named(dtype, "--dtype"))
     if chat:
@@ -86,7 +87,7 @@ def generate(
     held = None
     if prompt_file is not None:  # the soft prompt's KV, read once, is the row's pinned start
         from sparsegen.prompt import SoftPrompt
-        from sparsegen.prompt.generate import PromptedModel
+        from sparsegen.prompt.prompted import PromptedModel
 
         held = [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), policy, **cache_options).cache()]
     from sparsegen.decode import generate as fast_generate
@@ -166,7 +167,7 @@ def chat(
     from sparsegen.bench.measure import current_rss_mb
     from sparsegen.data import load_mtbench
     from sparsegen.kv.chat import StreamingChat
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     loaded, tokenizer = load(model)
     session = StreamingChat(
@@ -232,7 +233,7 @@ def serve(
     decode step, with a bounded KV cache per conversation (kv_policy / kv_budget per request)."""
     import uvicorn
 
-    from sparsegen.kv.base import count_or_share
+    from sparsegen.kv.policy import count_or_share
     from sparsegen.serve import build_app
 
     application = build_app(

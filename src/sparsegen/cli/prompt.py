@@ -28,7 +28,7 @@ def prompt_train_command(
 ) -> None:
     """Learn a soft prompt for a (compressed) model; progress bar, loss curve, resumable."""
     from sparsegen.data import calibration_samples, load_text
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.prompt import PromptTraining, train_prompt
 
     loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
@@ -54,9 +54,10 @@ def prompt_eval_command(
 ) -> None:
     """Windowed perplexity of MODEL on TEXT without and with the soft prompt."""
     from sparsegen.data import load_text, tokenize_long
+    from sparsegen.eval.perplexity import prompted_ppl
     from sparsegen.ioutil import write_json
-    from sparsegen.models import load
-    from sparsegen.prompt import SoftPrompt, prompted_ppl
+    from sparsegen.loading import load
+    from sparsegen.prompt import SoftPrompt
 
     loaded, tokenizer = load(model)
     soft = SoftPrompt.load(prompt_file, loaded)

@@ -11,17 +11,16 @@ from sparsegen.cli.common import METHODS, FromDiskOpt, ModelOpt, app, err, out, 
 from sparsegen.errors import SparsegenError
 
 
-def _load_to_rewrite(registry, kind, from_disk, out_dir, job):
+def _load_to_rewrite(registry, from_disk, out_dir, job):
     """The model with float weights (packed layers decoded), its tokenizer, calibration ids when
     the method needs them, and where its blocks live: in memory, or streamed from disk to `out_dir`."""
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.distributed import init_from_env
     from sparsegen.layerwise import IN_MEMORY
-    from sparsegen.models import load, resolve_model_path
+    from sparsegen.loading import load, resolve_model_path
     from sparsegen.scale import DiskBlocks, open_lazy
 
-    if job["method"] not in registry:
-        raise SparsegenError(f"unknown {kind} method {job['method']!r}; choose one of: {', '.join(sorted(registry))}")
+    registry.named(job["method"])  # an unknown method fails before the model loads
     init_from_env()  # under torchrun: join the other ranks
     job["model"] = resolve_model_path(job["model"])
     if reads_from_disk(job["model"], from_disk):
@@ -61,7 +60,7 @@ def prune_command(
     from sparsegen.distributed import is_writer, leave
     from sparsegen.prune import PRUNERS, prune
     from sparsegen.prune.checkpoint import save_pruned, sparsity_config
-    from sparsegen.quant.checkpoint import save_pruned_quantized
+    from sparsegen.quant.pipeline import save_pruned_quantized
 
     started = time.perf_counter()
     needs_calibration = method in PRUNERS and (PRUNERS[method].needs_calibration or owl)
@@ -69,7 +68,7 @@ def prune_command(
     job |= dict(calibration=needs_calibration, calib_text=calib_text, n_samples=n_samples, seqlen=seqlen, seed=seed)
     if compressed and from_disk:
         raise SparsegenError("--compressed stores the whole model in one file; drop it with --from-disk")
-    loaded, tokenizer, calibration, blocks = _load_to_rewrite(PRUNERS, "pruning", from_disk, out_dir, job)
+    loaded, tokenizer, calibration, blocks = _load_to_rewrite(PRUNERS, from_disk, out_dir, job)
     writer = is_writer()
     report = prune(loaded, method, sparsity, pattern, calibration, owl, progress=writer, blocks=blocks)
     quantized = getattr(loaded.config, "sparsegen_quantization", None)
@@ -123,7 +122,7 @@ def quantize_command(
     needs_calibration = method in QUANTIZERS and QUANTIZERS[method].needs_calibration
     job = dict(command="quantize", model=model, method=method, bits=bits, group_size=group_size, symmetric=symmetric)
     job |= dict(calibration=needs_calibration, calib_text=calib_text, n_samples=n_samples, seqlen=seqlen, seed=seed)
-    loaded, tokenizer, calibration, blocks = _load_to_rewrite(QUANTIZERS, "quantization", from_disk, out_dir, job)
+    loaded, tokenizer, calibration, blocks = _load_to_rewrite(QUANTIZERS, from_disk, out_dir, job)
     writer = is_writer()
     report = quantize(
         loaded, method, bits, group_size, symmetric, calibration=calibration, progress=writer, blocks=blocks

@@ -16,12 +16,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from sparsegen.contextual.base import LayerStats, Selector, checked_sparsity, make_selector, mlp_activations, mlp_parts
 from sparsegen.contextual.heads import HeadPredictor, SparseAttention, head_part_norms
 from sparsegen.contextual.input_sparse import InputSparseAttention, InputSparseLinear, InputSparseMLP
 from sparsegen.contextual.mlp import SparseMLP
+from sparsegen.contextual.parts import mlp_activations, mlp_parts
+from sparsegen.contextual.selector import LayerStats, Selector, checked_sparsity, make_selector
 from sparsegen.errors import SparsegenError
 from sparsegen.models import decoder_layers
+from sparsegen.registry import settings_of
 
 SELECTORS_FILE = "contextual.safetensors"
 SPARSE_WRAPPERS = (SparseMLP, SparseAttention, InputSparseAttention, InputSparseMLP)  # each holds `original`
@@ -117,19 +119,23 @@ def sparsify(
     progress: bool = True,
     head_sparsity: float = 0.0,
     lookahead: bool = False,
+    **settings,
 ) -> list[Selector]:
     """Swap every decoder MLP (after the first `dense_layers`) for a `SparseMLP` whose selector was
     calibrated on `calibration` ids [n, seqlen]; returns the selectors (None for dense layers).
     With `head_sparsity` > 0 the same layers' attention becomes a `SparseAttention` whose head
     predictor is trained on the same text. `lookahead` also trains predictors on the previous
-    layer's input, to report their recall (twice the training time)."""
+    layer's input, to report their recall (twice the training time). Further keywords are the
+    selector's settings (e.g. the predictor's `rank`), saved with it by `save_selectors`."""
     if checked_sparsity(head_sparsity, "head sparsity") and calibration is None:
         raise SparsegenError("head sparsity needs calibration text to train its predictors")
     densify(model)
     layers = decoder_layers(model)
     for layer in layers:
         mlp_parts(layer.mlp)
-    selectors = [make_selector(selector, sparsity) if i >= dense_layers else None for i in range(len(layers))]
+    selectors = [
+        make_selector(selector, sparsity, **settings) if i >= dense_layers else None for i in range(len(layers))
+    ]
     calibrates = type(selectors[-1]).calibrate is not Selector.calibrate
     stats = collect_stats(model, calibration, lookahead=lookahead) if calibration is not None and calibrates else None
     if stats is not None:
@@ -311,9 +317,11 @@ def save_selectors(
         if part is not None
         for name, value in part.state().items()
     }
+    chosen = next((s for s in selectors if s is not None), None)
     meta = {
         "selector": selector,
         "sparsity": str(sparsity),
+        "settings": json.dumps(settings_of(chosen) if chosen is not None else {}),
         "shape": json.dumps(_shape(model)),
         "sparse_layers": json.dumps([i for i, s in enumerate(selectors) if s is not None]),
         "head_layers": json.dumps([i for i, h in enumerate(heads) if h is not None]),
@@ -357,7 +365,8 @@ def load_selectors(model: nn.Module, folder: str | Path) -> list[Selector | None
     layers = len(decoder_layers(model))
     selectors: list[Selector | None] = [None] * layers
     for i in json.loads(meta["sparse_layers"]):
-        selectors[i] = make_selector(meta["selector"], float(meta["sparsity"]))
+        settings = json.loads(meta.get("settings", "{}"))  # files from before settings were recorded lack it
+        selectors[i] = make_selector(meta["selector"], **{"sparsity": float(meta["sparsity"]), **settings})
         selectors[i].load_state(state(i, ""))
     heads: list[HeadPredictor | None] = [None] * layers
     for i in json.loads(meta.get("head_layers", "[]")):

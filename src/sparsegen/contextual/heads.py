@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.contextual.attention import attend, rotary
-from sparsegen.contextual.base import checked_sparsity
+from sparsegen.contextual.attend import attend, rotary
 from sparsegen.contextual.predictor import LowRank, fit_low_rank, top_k_labels
+from sparsegen.contextual.selector import checked_sparsity
 from sparsegen.errors import SparsegenError
 
 
@@ -90,7 +90,7 @@ class SparseAttention(nn.Module):
         rows = torch.arange(self.heads * self.head_dim).view(self.heads, self.head_dim)
         self.register_buffer("head_rows", rows, persistent=False)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         attn = self.original
         shape = hidden_states.shape[:-1]
         keep = self.predictor.keep(hidden_states.reshape(-1, hidden_states.shape[-1])).view(*shape, self.heads)
@@ -104,7 +104,7 @@ class SparseAttention(nn.Module):
         key = attn.k_proj(hidden_states).view(*shape, -1, self.head_dim).transpose(1, 2)
         value = attn.v_proj(hidden_states).view(*shape, -1, self.head_dim).transpose(1, 2)
         out, weights = attend(
-            attn, self.rotate, query, key, value, position_embeddings, attention_mask, past_key_values, **kwargs
+            attn, self.rotate, query, key, value, position_embeddings, attention_mask, cache, **kwargs
         )
         return self._output(out, keep, index), weights
 

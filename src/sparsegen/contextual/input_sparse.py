@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.contextual.attention import attend, rotary
-from sparsegen.contextual.base import MLPParts, Selector
+from sparsegen.contextual.attend import attend, rotary
+from sparsegen.contextual.parts import MLPParts, NeuronChoice
 
 
 class InputSparseLinear(nn.Module):
@@ -70,14 +70,14 @@ class InputSparseAttention(nn.Module):
         self.o = InputSparseLinear([attention.o_proj], o_sparsity)
         self.rotate = rotary(attention)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         attn, shape = self.original, hidden_states.shape[:-1]
         query, key, value = (
             part.view(*shape, -1, attn.head_dim).transpose(1, 2)
             for part in self.qkv(hidden_states).split(self.qkv.splits, -1)
         )
         out, weights = attend(
-            attn, self.rotate, query, key, value, position_embeddings, attention_mask, past_key_values, **kwargs
+            attn, self.rotate, query, key, value, position_embeddings, attention_mask, cache, **kwargs
         )
         return self.o(out.reshape(*shape, -1)), weights
 
@@ -85,7 +85,7 @@ class InputSparseAttention(nn.Module):
 class InputSparseMLP(nn.Module):
     """An MLP with input-sparse gate and up (one selection) and down projections."""
 
-    def __init__(self, mlp: nn.Module, parts: MLPParts, selector: Selector, in_sparsity: float, h_sparsity: float):
+    def __init__(self, mlp: nn.Module, parts: MLPParts, selector: NeuronChoice, in_sparsity: float, h_sparsity: float):
         super().__init__()
         self.original, self.selector, self.act, self.gated = mlp, selector, parts.act, parts.gate is not None
         self.gate_up = InputSparseLinear([parts.gate, parts.up] if self.gated else [parts.up], in_sparsity)

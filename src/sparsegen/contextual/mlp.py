@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.contextual.base import MLPParts, Selector, mlp_activations
-from sparsegen.decode.engine import linear
+from sparsegen.contextual.parts import MLPParts, NeuronChoice, mlp_activations
+from sparsegen.few_rows import linear
 
 
 class SparseMLP(nn.Module):
-    def __init__(self, parts: MLPParts, selector: Selector) -> None:
+    def __init__(self, parts: MLPParts, selector: NeuronChoice) -> None:
         super().__init__()
         self.parts, self.selector = parts, selector
         self.original: nn.Module | None = None  # the module this one replaced, set by `sparsify`

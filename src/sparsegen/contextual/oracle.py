@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsegen.contextual.base import Selector, register_selector
+from sparsegen.contextual.selector import Selector, register_selector
 
 
 @register_selector

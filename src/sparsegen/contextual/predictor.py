@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sparsegen.contextual.base import LayerStats, Selector, register_selector
+from sparsegen.contextual.selector import LayerStats, Selector, register_selector
 
 
 @dataclass
@@ -67,14 +67,23 @@ def fit_low_rank(
 
 
 @register_selector
+@dataclass
 class PredictorSelector(Selector):
     """Deja Vu: a low-rank predictor of each token's top neurons, from the MLP input."""
 
     name = "predictor"
 
-    def __init__(self, sparsity: float, rank: int = 128, steps: int = 200, lr: float = 3e-3, seed: int = 0) -> None:
-        super().__init__(sparsity)
-        self.rank, self.steps, self.lr, self.seed = rank, steps, lr, seed
+    rank: int = 128
+    """Width of the low-rank predictor."""
+    steps: int = 200
+    """Adam steps of its training."""
+    lr: float = 3e-3
+    """Adam's learning rate."""
+    seed: int = 0
+    """Seed of the predictor's initial weights."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.down: torch.Tensor | None = None  # [hidden_size, rank]
         self.up: torch.Tensor | None = None  # [rank, neurons]
         self.recall = self.lookahead_recall = torch.tensor(float("nan"))

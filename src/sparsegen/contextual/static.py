@@ -4,20 +4,23 @@ dense MLP."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sparsegen.contextual.base import LayerStats, Selector, register_selector
+from sparsegen.contextual.selector import LayerStats, Selector, register_selector
 
 
 @register_selector
+@dataclass
 class StaticSelector(Selector):
     """One fixed set per layer: the neurons with the largest mean |h| in calibration."""
 
     name = "static"
     needs_gate = False
 
-    def __init__(self, sparsity: float) -> None:
-        super().__init__(sparsity)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.kept: torch.Tensor | None = None
 
     def calibrate(self, stats: LayerStats) -> None:

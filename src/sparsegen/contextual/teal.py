@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsegen.contextual.base import Selector, mlp_parts, register_selector
 from sparsegen.contextual.input_sparse import InputSparseAttention, InputSparseMLP
+from sparsegen.contextual.parts import mlp_parts
+from sparsegen.contextual.selector import Selector, register_selector
 from sparsegen.errors import SparsegenError
 
 # Budget split: each input's sparsity relative to the attention projections'. Measured on

@@ -3,20 +3,23 @@ target share of neurons falls below it; up and down then run only for the kept o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sparsegen.contextual.base import LayerStats, Selector, register_selector
+from sparsegen.contextual.selector import LayerStats, Selector, register_selector
 
 
 @register_selector
+@dataclass
 class ThresholdSelector(Selector):
     """CATS-style gate threshold, per layer."""
 
     name = "threshold"
     needs_gate = True
 
-    def __init__(self, sparsity: float) -> None:
-        super().__init__(sparsity)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.threshold = torch.tensor(-1.0)  # keeps everything until calibrated
 
     def calibrate(self, stats: LayerStats) -> None:

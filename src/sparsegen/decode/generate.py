@@ -10,7 +10,7 @@ import torch
 
 from sparsegen.decode.engine import Decoder
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.base import Policy
+from sparsegen.kv.policy import Policy
 from sparsegen.sampling import as_token_set, choose, stop_tokens, until_stop
 
 

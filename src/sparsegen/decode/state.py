@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from sparsegen.kv.base import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.window import WindowPolicy
 

@@ -23,7 +23,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.base import resolve_budget
+from sparsegen.kv.policy import resolve_budget
 
 
 @register_model("sparsegen")
@@ -55,7 +55,8 @@ class SparsegenLM(HFLM):
         **kwargs,
     ) -> None:
         from sparsegen.kv import POLICIES
-        from sparsegen.models import dtype_named, load
+        from sparsegen.loading import load
+        from sparsegen.models import dtype_named
 
         if policy not in POLICIES:
             raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
@@ -156,5 +157,5 @@ class SparsegenLM(HFLM):
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if self.uses_policy:
-            generation_kwargs["past_key_values"] = self._make_cache(context.shape[1])
+            generation_kwargs["cache"] = self._make_cache(context.shape[1])
         return super()._model_generate(context, max_length, stop, **generation_kwargs)

@@ -13,7 +13,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.eval.stream_ppl import PolicyRun, StreamResult, stream_compare
 from sparsegen.ioutil import write_json
 from sparsegen.kv import POLICIES
-from sparsegen.models import load
+from sparsegen.loading import load
 from sparsegen.report import plot_lines, running_mean
 
 STREAM_COLUMNS = [
@@ -43,9 +43,7 @@ def policy_runs(
     """One PolicyRun per policy name, all at the same budget."""
     runs = []
     for name in policies:
-        if name not in POLICIES:
-            raise SparsegenError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
-        if POLICIES[name].prefill_only:
+        if POLICIES.named(name).prefill_only:
             raise SparsegenError(
                 f"{name} compresses a prompt once and then keeps every token, so it cannot bound a stream; "
                 "compare it with `sparsegen eval needle` or `eval zeroshot`"

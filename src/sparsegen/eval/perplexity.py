@@ -8,11 +8,14 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
 from sparsegen.layerwise import Blocks, blocks_skipped, capture_inputs, run_block
 from sparsegen.models import decoder_layers
+from sparsegen.prompt.soft import SoftPrompt
+from sparsegen.prompt.train import prompted_logits
 from sparsegen.report import say_estimate
 
 
@@ -80,3 +83,28 @@ def _layerwise_nll(model: torch.nn.Module, windows: torch.Tensor, blocks: Blocks
             logits = model(window[None], use_cache=False).logits[0, :-1].float()
         total += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
     return total / (windows.numel() - windows.shape[0])
+
+
+@torch.no_grad()
+def prompted_ppl(
+    model: torch.nn.Module,
+    prompt: SoftPrompt | None,
+    input_ids: torch.Tensor,
+    seqlen: int,
+    max_windows: int | None = None,
+) -> PerplexityResult:
+    """Windowed perplexity with the soft prompt before every window, over the same tokens as
+    `windowed_ppl` (all but each window's first), so the two compare; without a prompt it is that."""
+    windows = input_ids.numel() // seqlen
+    windows = min(windows, max_windows) if max_windows is not None else windows
+    if windows == 0:
+        raise SparsegenError(f"the text has {input_ids.numel()} tokens, fewer than one window of seqlen={seqlen}")
+    total = scored = 0
+    for w in range(windows):
+        window = input_ids[w * seqlen : (w + 1) * seqlen][None]
+        logits = prompted_logits(model, prompt, window).float()[:, -(seqlen - 1) :]
+        targets = window[:, 1:]
+        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        scored += targets.numel()
+    nll = total / scored
+    return PerplexityResult(math.exp(nll), nll, seqlen, windows, windows * seqlen)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparsegen.bench.measure import run_meta
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.report import markdown_table
+from sparsegen.report import markdown_table, run_meta
 
 QUALITY_COLUMNS = [
     ("method", "method"),
@@ -36,7 +35,7 @@ def prune_quality(
     """Perplexity and pruning time of each method x pattern (and OWL at 70%), dense in the same run."""
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.prune import PRUNERS, prune
 
     model, tokenizer = load(model_name)

@@ -124,7 +124,7 @@ class _Runner:
             logits = _recompute_logits(model, ids, done, take, self.run.window)
         else:
             tokens = ids[None, done : done + take]
-            logits = model(input_ids=tokens, past_key_values=self.cache, use_cache=True).logits[0]
+            logits = model(input_ids=tokens, cache=self.cache, use_cache=True).logits[0]
             self.kv_bytes = max(self.kv_bytes, self.cache.kv_bytes())
         self.seconds += time.perf_counter() - began
         logp = logits.float().log_softmax(-1)

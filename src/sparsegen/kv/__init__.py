@@ -1,15 +1,15 @@
 """KV-cache sparsity: policies that bound the cache, as a drop-in for `model.generate()`.
 
 cache = make_cache(model, "streaming", sinks=4, recent=252)
-model.generate(input_ids, past_key_values=cache, max_new_tokens=2000)
+model.generate(input_ids, cache=cache, max_new_tokens=2000)
 """
 
 import importlib
 import pkgutil
 
-from sparsegen.kv.base import POLICIES, Policy, Sizes, Step, make_policy, register_policy, settings_help
 from sparsegen.kv.cache import PolicyCache, PolicyLayer
 from sparsegen.kv.factory import make_cache
+from sparsegen.kv.policy import POLICIES, Policy, Sizes, Step, make_policy, register_policy
 from sparsegen.kv.stream import StreamStep, stream
 
 # Every module of this package is imported, so a policy registers itself by existing as a file.
@@ -27,6 +27,5 @@ __all__ = [
     "make_cache",
     "make_policy",
     "register_policy",
-    "settings_help",
     "stream",
 ]

@@ -1,10 +1,11 @@
 """The attention functions a policy cache runs under: sdpa or eager, then eviction.
 
-transformers calls `cache.update()` right before the attention function of the same layer and
-passes the keys `update()` returned straight to it. A policy layer tags those keys with itself
-(`tag`), so the registered attention function finds its layer through its own call's arguments:
-it computes the attention as usual, then hands the layer this call's queries, keys and weights, and
-the layer lets its policy score and evict down to the budget.
+transformers hands each attention module the cache (`cache`) and passes the module's
+other keywords on to the attention function. A forward pre-hook, put on every attention module by
+`use_policy_attention`, adds the module's own policy layer as the `policy_layer` keyword, so the
+registered attention function gets its layer as an argument: it computes the attention as usual,
+then hands the layer this call's queries, keys and weights, and the layer lets its policy score
+and evict down to the budget. `restore_attention` removes the hooks.
 
 The fast decode path (`sparsegen.decode`) calls the model with a `static_kv` keyword instead of a
 cache: the same function then writes, attends and evicts in that state's fixed-shape buffers.
@@ -12,73 +13,49 @@ cache: the same function then writes, attends and evicts in that state's fixed-s
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.cache import PolicyLayer
 
 PREFIX = "sparsegen_"
 BASE_IMPLEMENTATIONS = {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (eager_attention_forward, eager_mask)}
-_LAYER = "_sparsegen_layer"
+_HOOKS: WeakKeyDictionary[torch.nn.Module, list[RemovableHandle]] = WeakKeyDictionary()
 
 
-def tag(keys: torch.Tensor, layer) -> torch.Tensor:
-    """Mark the keys a policy layer hands to attention with that layer (a fresh view each call)."""
-    setattr(keys, _LAYER, layer)
-    return keys
+def policy_layer_of(cache, index: int | None):
+    """Layer `index` of a policy cache, or None (no cache, another kind of cache or layer)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or index is None or index >= len(layers) or not isinstance(layers[index], PolicyLayer):
+        return None
+    return layers[index]
 
 
-def tagged_layer(keys: torch.Tensor, module):
-    """The policy layer whose keys these are, checked against the attention module's layer index."""
-    layer = getattr(keys, _LAYER, None)
-    index = getattr(module, "layer_idx", None)
-    if layer is not None and None not in (index, layer.layer_idx) and index != layer.layer_idx:
-        raise SparsegenError(f"attention layer {module.layer_idx} got the keys of cache layer {layer.layer_idx}")
-    return layer
-
-
-def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 24):
-    """Attention probability each key received, summed over new queries and each GQA group.
-
-    query [b, hq, q, d] are the newest q tokens, key [b, hkv, s, d] the held keys followed by
-    those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
-    long prefill never materialises the whole q x s matrix; keys are never copied.
-    """
-    b, hq, q, d = query.shape
-    hkv, s = key.shape[1], key.shape[2]
-    group = hq // hkv
-    grouped = query.view(b, hkv, group, q, d)
-    keys_t = key.transpose(-1, -2)
-    total = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
-    step = max(1, max_elements // max(1, b * hq * s))
-    key_index = torch.arange(s, device=query.device)
-    for start in range(0, q, step):
-        stop = min(q, start + step)
-        rows = grouped[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
-        logits = (rows @ keys_t).float() * scaling  # [b, hkv, group * n, s], rows group-major
-        if q > 1:
-            last_visible = (s - q + torch.arange(start, stop, device=query.device)).repeat(group)
-            logits.masked_fill_(key_index > last_visible[:, None], float("-inf"))
-        total += logits.softmax(-1).sum(dim=2)
-    return total
+def _hand_policy_layer(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of an attention module: its layer of a policy cache, as `policy_layer`."""
+    layer = policy_layer_of(kwargs.get("cache"), getattr(module, "layer_idx", None))
+    return None if layer is None else (args, {**kwargs, "policy_layer": layer})
 
 
 def _make_attention(base):
-    def attention(module, query, key, value, attention_mask, scaling=None, static_kv=None, **kwargs):
+    def attention(module, query, key, value, attention_mask, scaling=None, static_kv=None, policy_layer=None, **kwargs):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         if static_kv is not None:
             state = static_kv.layers[module.layer_idx]
             state.write(key, value, static_kv.seen - 1)
             return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
-        layer = tagged_layer(key, module)
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        if layer is not None:
-            if layer.check_padding:
-                layer.refuse_padding(attention_mask, query.shape[-2])
-            layer.after_attention(query, key, scaling, weights)
+        if policy_layer is not None:
+            if policy_layer.check_padding:
+                policy_layer.refuse_padding(attention_mask, query.shape[-2])
+            policy_layer.after_attention(query, key, scaling, weights)
         return out, weights
 
     return attention
@@ -90,20 +67,29 @@ for _name, (_forward, _mask) in BASE_IMPLEMENTATIONS.items():
 
 
 def use_policy_attention(model: torch.nn.Module) -> None:
-    """Switch `model` to the sparsegen wrapper of its attention implementation (sdpa or eager)."""
+    """Switch `model` to the sparsegen wrapper of its attention implementation (sdpa or eager) and
+    hook its attention modules to pass on their policy layers; `restore_attention` undoes both."""
     current = model.config._attn_implementation
-    if current.startswith(PREFIX):
+    if current.startswith(PREFIX) and model in _HOOKS:
         return
-    if current not in BASE_IMPLEMENTATIONS:
+    if not current.startswith(PREFIX) and current not in BASE_IMPLEMENTATIONS:
         raise SparsegenError(
             f"attention implementation {current!r} is not supported by KV policies; load the model with "
             "attn_implementation='sdpa' or 'eager'"
         )
-    model.set_attn_implementation(PREFIX + current)
+    if not current.startswith(PREFIX):
+        model.set_attn_implementation(PREFIX + current)
+    _HOOKS[model] = [
+        module.register_forward_pre_hook(_hand_policy_layer, with_kwargs=True)
+        for module in model.modules()
+        if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "q_proj")
+    ]
 
 
 def restore_attention(model: torch.nn.Module) -> None:
-    """Undo `use_policy_attention`: the model's own attention implementation again."""
+    """Undo `use_policy_attention`: the model's own attention implementation again, unhooked."""
+    for handle in _HOOKS.pop(model, []):
+        handle.remove()
     current = model.config._attn_implementation
     if current.startswith(PREFIX):
         model.set_attn_implementation(current[len(PREFIX) :])

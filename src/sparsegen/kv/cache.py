@@ -12,8 +12,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv import attention
-from sparsegen.kv.base import KEEP, Policy, Sizes, Step
+from sparsegen.kv.policy import KEEP, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
 
 
@@ -89,7 +88,7 @@ class PolicyLayer(CacheLayerMixin):
             self._append(key_states, value_states, new_positions)
         self.cumulative_length += n
         self.new_tokens = n
-        return attention.tag(self._keys_for_attention(), self), self.values[:, :, : self.size]
+        return self._keys_for_attention(), self.values[:, :, : self.size]
 
     def _resolve_sizes(self, prompt_length: int) -> Sizes | None:
         """The policy's budget for the first prompt after the pinned prefix, which comes on top

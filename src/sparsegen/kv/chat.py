@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import torch
 
-from sparsegen.kv.base import Policy
 from sparsegen.kv.factory import make_cache
+from sparsegen.kv.policy import Policy
 from sparsegen.kv.stream import stream
 from sparsegen.sampling import stop_tokens
 

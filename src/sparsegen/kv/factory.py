@@ -7,8 +7,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import attention
-from sparsegen.kv.base import Policy
 from sparsegen.kv.cache import PolicyCache, PolicyLayer
+from sparsegen.kv.policy import Policy
 from sparsegen.kv.rope import KeyRotation
 
 POSITIONS = ("original", "rolling")
@@ -28,7 +28,7 @@ def make_cache(
     pinned: int = 0,
     **parts: int | float,
 ) -> PolicyCache:
-    """A `Cache` for `model.generate(..., past_key_values=cache)` that applies a KV policy.
+    """A `Cache` for `model.generate(..., cache=cache)` that applies a KV policy.
 
     `policy` is a registered name (`full`, `window`, `streaming`, `h2o`, `streaming_h2o`) with its
     budget as `budget=` (a total, split as the policy needs) or as parts (`sinks=`, `heavy=`,
@@ -40,7 +40,7 @@ def make_cache(
     implementation (same numbers), which is how eviction follows each attention call;
     `sparsegen.kv.attention.restore_attention(model)` switches it back.
     """
-    from sparsegen.kv.base import make_policy
+    from sparsegen.kv.policy import make_policy
     from sparsegen.kv.rope import find_inv_freq
 
     policy = make_policy(policy, budget=budget, **parts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparsegen.kv.base import Policy, Sizes, register_policy
+from sparsegen.kv.policy import Policy, Sizes, register_policy
 
 
 @register_policy

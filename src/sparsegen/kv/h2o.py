@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.base import KEEP, Policy, register_policy
+from sparsegen.kv.policy import KEEP, Policy, register_policy
 
 
 @register_policy

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparsegen.kv.base import Policy, register_policy
+from sparsegen.kv.policy import Policy, register_policy
 
 
 @register_policy

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.base import KEEP, Policy, register_policy
+from sparsegen.kv.policy import KEEP, Policy, register_policy
 
 
 @register_policy

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsegen.kv.base import Policy
 from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.factory import make_cache
+from sparsegen.kv.policy import Policy
 from sparsegen.sampling import choose
 
 
@@ -46,7 +46,7 @@ def read(
     for start in range(0, rows.shape[1], step):
         piece = rows[:, start : start + step]
         logits = model(
-            input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
+            input_ids=piece, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
         ).logits.float()
         kept.append(logits if all_logits else logits[:, -1])
     if not kept:
@@ -84,12 +84,12 @@ def stream(
     logits = None
     for start in range(0, input_ids.shape[1], chunk):
         tokens = input_ids[:, start : start + chunk].to(device)
-        logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=tokens, cache=cache, use_cache=True).logits
         yield StreamStep(tokens, logits, generated=False)
     for _ in range(max_new_tokens):
         if logits is None:
             raise ValueError("generation needs at least one input token")
         last = logits[:, -1].float()
         token = choose(last, temperature, 1.0, [generator] * last.shape[0])[:, None]
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=token, cache=cache, use_cache=True).logits
         yield StreamStep(token, logits, generated=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparsegen.kv.base import KEEP, register_policy
 from sparsegen.kv.h2o import H2OPolicy
+from sparsegen.kv.policy import KEEP, register_policy
 
 
 @register_policy

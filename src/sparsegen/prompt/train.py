@@ -8,7 +8,6 @@ state every few steps and the same call resumes it.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,10 +18,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
-from sparsegen.eval.perplexity import PerplexityResult
 from sparsegen.ioutil import save_torch, write_json
+from sparsegen.models import require_float_linears
 from sparsegen.prompt.soft import SoftPrompt
-from sparsegen.quant.packed import require_float_linears
 
 STATE = "train_state.pt"
 
@@ -154,24 +152,3 @@ def _write_curve(out: Path, report: PromptReport) -> None:
         "loss",
         title=f"soft prompt: {report.settings.tokens} tokens, {report.samples} samples x {report.seqlen}",
     )
-
-
-@torch.no_grad()
-def prompted_ppl(
-    model: nn.Module, prompt: SoftPrompt | None, input_ids: torch.Tensor, seqlen: int, max_windows: int | None = None
-) -> PerplexityResult:
-    """Windowed perplexity with the soft prompt before every window, over the same tokens as
-    `windowed_ppl` (all but each window's first), so the two compare; without a prompt it is that."""
-    windows = input_ids.numel() // seqlen
-    windows = min(windows, max_windows) if max_windows is not None else windows
-    if windows == 0:
-        raise SparsegenError(f"the text has {input_ids.numel()} tokens, fewer than one window of seqlen={seqlen}")
-    total = scored = 0
-    for w in range(windows):
-        window = input_ids[w * seqlen : (w + 1) * seqlen][None]
-        logits = prompted_logits(model, prompt, window).float()[:, -(seqlen - 1) :]
-        targets = window[:, 1:]
-        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
-        scored += targets.numel()
-    nll = total / scored
-    return PerplexityResult(math.exp(nll), nll, seqlen, windows, windows * seqlen)

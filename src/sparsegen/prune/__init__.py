@@ -3,8 +3,8 @@
 import importlib
 import pkgutil
 
-from sparsegen.prune.base import PRUNERS, InputStats, Pattern, Pruner, make_pruner, register_pruner
 from sparsegen.prune.pipeline import PruneReport, prune
+from sparsegen.prune.pruner import PRUNERS, InputStats, Pattern, Pruner, make_pruner, register_pruner
 
 # Every module of this package is imported, so a pruner registers itself by existing as a file.
 for _module in pkgutil.iter_modules(__path__):

@@ -33,6 +33,7 @@ def sparsity_config(report: PruneReport, compressed: bool) -> dict:
         "targets": ["Linear"],
         "ignore": ["lm_head", "embed_tokens"],
         "method": report.method,
+        "settings": report.settings,
         "owl": report.owl,
         "calibration": {"n_samples": report.n_samples, "seqlen": report.seqlen},
         "layer_sparsity": data["layers"],

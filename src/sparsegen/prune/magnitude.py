@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from sparsegen.prune.base import InputStats, Pattern, Pruner, mask_lowest, register_pruner
+from sparsegen.prune.pruner import InputStats, Pattern, Pruner, mask_lowest, register_pruner
 
 
 @register_pruner
 class MagnitudePruner(Pruner):
+    """Drop the smallest |W| of each matrix (no calibration)."""
+
     name = "magnitude"
     needs_calibration = False
 

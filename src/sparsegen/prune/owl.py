@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsegen.prune.base import InputStats
+from sparsegen.prune.pruner import InputStats
 from sparsegen.prune.wanda import wanda_score
 
 OUTLIER_FACTOR = 5.0  # an entry is an outlier when its Wanda score exceeds 5x the layer mean

@@ -21,9 +21,10 @@ from sparsegen.layerwise import (
     rewrite_layerwise,
     run_block,
 )
-from sparsegen.models import decoder_layers
-from sparsegen.prune.base import Pattern, make_pruner
+from sparsegen.models import decoder_layers, require_float_linears
 from sparsegen.prune.owl import outlier_ratio, owl_ratios
+from sparsegen.prune.pruner import Pattern, make_pruner
+from sparsegen.registry import settings_of
 
 
 @dataclass
@@ -39,6 +40,7 @@ class PruneReport:
     layers: dict[str, float] = field(default_factory=dict)
     block_sparsity: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    settings: dict = field(default_factory=dict)  # the pruner's own (`registry.settings_of`)
 
     @property
     def overall(self) -> float:
@@ -56,7 +58,7 @@ def prune(
     calibration_dtype: torch.dtype | None | str = "auto",
     progress: bool = True,
     blocks: Blocks = IN_MEMORY,
-    **options,
+    **settings,
 ) -> PruneReport:
     """Prune the Linear layers of `model`'s decoder blocks in place; return a report.
 
@@ -66,13 +68,12 @@ def prune(
     `calibration_dtype` is the autocast dtype of the calibration forwards: "auto" is bfloat16
     where the hardware computes it natively (see `fast_calibration_dtype`), None the model's dtype.
     `blocks` is where the block weights live (`scale.disk` streams them from and to shards).
-    Further keywords go to the pruner (e.g. `mask_scope="block"` for SparseGPT).
+    Further keywords are the pruner's settings (e.g. `mask_scope="row"` for SparseGPT), recorded in
+    the report and so in the checkpoint.
     """
     shape = Pattern.parse(sparsity, pattern)
-    from sparsegen.quant.packed import require_float_linears  # quant builds on prune: imported here
-
     require_float_linears(model, "prune")
-    pruner = make_pruner(method, **options)
+    pruner = make_pruner(method, **settings)
     layers = decoder_layers(model)
     needs_data = pruner.needs_calibration or owl
     if needs_data and (calibration is None or calibration.dim() != 2):
@@ -82,7 +83,7 @@ def prune(
     if owl and blocks is not IN_MEMORY:
         raise SparsegenError("OWL reads every block twice; it runs on a model in memory only (drop --from-disk)")
     n_samples, seqlen = calibration.shape if needs_data else (0, 0)
-    report = PruneReport(method, str(shape), shape.sparsity, owl, n_samples, seqlen)
+    report = PruneReport(method, str(shape), shape.sparsity, owl, n_samples, seqlen, settings=settings_of(pruner))
     started = time.perf_counter()
     ratios = [shape.sparsity] * len(layers)
     inputs, kwargs, dtype = (

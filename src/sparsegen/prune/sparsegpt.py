@@ -14,21 +14,32 @@ every M-column boundary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.prune.base import InputStats, Pattern, Pruner, inverse_hessian_factor, mask_lowest, register_pruner
+from sparsegen.prune.pruner import InputStats, Pattern, Pruner, inverse_hessian_factor, mask_lowest, register_pruner
 
 
 @register_pruner
+@dataclass
 class SparseGPTPruner(Pruner):
+    """OBS pruning with error feedback through the inverse Hessian (SparseGPT)."""
+
     name = "sparsegpt"
     needs_hessian = True
 
-    def __init__(self, block_size: int = 128, damping: float = 0.01, mask_scope: str = "block") -> None:
-        if mask_scope not in ("row", "block"):
-            raise SparsegenError(f"mask_scope must be 'row' or 'block', got {mask_scope!r}")
-        self.block_size, self.damping, self.mask_scope = block_size, damping, mask_scope
+    block_size: int = 128
+    """Columns pruned together before their error updates the later columns (lazy batch update)."""
+    damping: float = 0.01
+    """Added to diag(H), as a share of its mean, so that H can be inverted."""
+    mask_scope: str = "block"
+    """Where the unstructured ratio holds exactly: "block" (all rows of a column block) or "row"."""
+
+    def __post_init__(self) -> None:
+        if self.mask_scope not in ("row", "block"):
+            raise SparsegenError(f"mask_scope must be 'row' or 'block', got {self.mask_scope!r}")
 
     def prune_weight(self, weight: torch.Tensor, pattern: Pattern, stats: InputStats | None) -> torch.Tensor:
         weight = weight.float().clone()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsegen.prune.base import InputStats, Pattern, Pruner, mask_lowest, register_pruner
+from sparsegen.prune.pruner import InputStats, Pattern, Pruner, mask_lowest, register_pruner
 
 
 def wanda_score(weight: torch.Tensor, stats: InputStats) -> torch.Tensor:
@@ -13,6 +13,8 @@ def wanda_score(weight: torch.Tensor, stats: InputStats) -> torch.Tensor:
 
 @register_pruner
 class WandaPruner(Pruner):
+    """Drop the lowest |W| * ||X|| within each output row (Wanda)."""
+
     name = "wanda"
 
     def prune_weight(self, weight: torch.Tensor, pattern: Pattern, stats: InputStats | None) -> torch.Tensor:

@@ -3,8 +3,8 @@
 import importlib
 import pkgutil
 
-from sparsegen.quant.base import QUANTIZERS, QuantizedWeight, Quantizer, QuantScheme, make_quantizer
-from sparsegen.quant.pipeline import QuantReport, quantize
+from sparsegen.quant.pipeline import quantize
+from sparsegen.quant.quantizer import QUANTIZERS, QuantizedWeight, Quantizer, QuantReport, QuantScheme, make_quantizer
 
 # Every module of this package is imported, so a quantizer registers itself by existing as a file.
 for _module in pkgutil.iter_modules(__path__):

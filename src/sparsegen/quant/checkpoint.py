@@ -22,7 +22,8 @@ from torch import nn
 
 from sparsegen.errors import SparsegenError
 from sparsegen.layerwise import Codec, Tensors
-from sparsegen.quant.pipeline import QuantReport
+from sparsegen.models import require_float_linears
+from sparsegen.quant.quantizer import QuantReport
 
 FORMAT = "pack-quantized"
 
@@ -96,8 +97,6 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, report: QuantRe
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
 
-    from sparsegen.quant.packed import require_float_linears
-
     require_float_linears(model, "save it as a checkpoint")
     if not report.grids:
         raise SparsegenError("nothing to save: the report holds no quantized layers (run quantize first)")
@@ -141,18 +140,6 @@ def finish_quantized(blocks, report: QuantReport) -> Path:
     _record(blocks.model.config, report)
     compressor = ModelCompressor(quantization_config=_config(report), force_compression_format=FORMAT)
     return blocks.finish(lambda folder: compressor.update_config(str(folder)))
-
-
-def save_pruned_quantized(model: nn.Module, tokenizer, out: str | Path, pruned) -> Path:
-    """Save a quantized model that was just pruned: its weights re-quantized by RTN with the scheme
-    its config records (pruned zeros stay zero), its sparsity recorded beside the quantization."""
-    from sparsegen.prune.checkpoint import sparsity_config
-    from sparsegen.quant.pipeline import quantize
-
-    settings = model.config.sparsegen_quantization
-    report = quantize(model, "rtn", settings["bits"], settings["group_size"], settings["symmetric"], progress=False)
-    model.config.sparsity_config = sparsity_config(pruned, compressed=False)
-    return save_quantized(model, tokenizer, out, report)
 
 
 def quantization_config(folder: str | Path) -> dict | None:

@@ -9,20 +9,25 @@ reordering: groups stay contiguous, as compressed-tensors stores them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sparsegen.prune.base import InputStats, inverse_hessian_factor
-from sparsegen.quant.base import QuantizedWeight, Quantizer, QuantScheme, register_quantizer
+from sparsegen.prune.pruner import InputStats, inverse_hessian_factor
+from sparsegen.quant.quantizer import QuantizedWeight, Quantizer, QuantScheme, register_quantizer
 
 
 @register_quantizer
+@dataclass
 class GPTQQuantizer(Quantizer):
+    """Round column by column, spreading each error through the inverse Hessian (GPTQ)."""
+
     name = "gptq"
     needs_calibration = True
     needs_hessian = True
 
-    def __init__(self, damping: float = 0.01) -> None:
-        self.damping = damping
+    damping: float = 0.01
+    """Added to diag(H), as a share of its mean, so that H can be inverted."""
 
     def quantize_weight(self, weight: torch.Tensor, scheme: QuantScheme, stats: InputStats | None) -> QuantizedWeight:
         weight = weight.float().clone()

@@ -21,8 +21,7 @@ import sys
 import torch
 from torch import nn
 
-from sparsegen.errors import SparsegenError
-from sparsegen.quant.base import Grid, QuantScheme
+from sparsegen.quant.quantizer import Grid, QuantScheme
 
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the int4 kernel takes, largest first
@@ -119,15 +118,6 @@ def dequantized(integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     group = integers.shape[1] // scale.shape[1]
     values = (integers.float().unflatten(1, (-1, group)) - zero_point.float()[..., None]) * scale.float()[..., None]
     return values.flatten(1).to(scale.dtype)
-
-
-def require_float_linears(model: nn.Module, doing: str) -> None:
-    """Stop before `doing` something that needs float weights (pruning, training) on a packed model."""
-    if any(isinstance(module, PackedLinear) for module in model.modules()):
-        raise SparsegenError(
-            f"cannot {doing}: this model's Linear layers are packed integers; load it with "
-            "sparsegen.load(DIR, packed=False) (the CLI does for commands that change weights)"
-        )
 
 
 def say_unpacked(unpacked: dict[str, str]) -> None:

@@ -4,7 +4,7 @@ outputs of the quantized blocks before it)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -12,29 +12,11 @@ from torch import nn
 from sparsegen.distributed import share_of
 from sparsegen.errors import SparsegenError
 from sparsegen.layerwise import IN_MEMORY, Blocks, InputStats, capture_inputs, rewrite_layerwise
-from sparsegen.models import decoder_layers
-from sparsegen.quant.base import Grid, QuantScheme, default_group_size, make_quantizer
-from sparsegen.quant.packed import pack_quantized, require_float_linears, say_unpacked
-
-
-@dataclass
-class QuantReport:
-    """What was done (stored in checkpoints); `grids` holds each layer's scales for saving (the
-    weights themselves are the model's)."""
-
-    method: str
-    bits: int
-    group_size: int
-    symmetric: bool
-    n_samples: int
-    seqlen: int
-    group_sizes: dict[str, int] = field(default_factory=dict)  # per Linear name suffix: the size used
-    seconds: float = 0.0
-    grids: dict[str, Grid] = field(default_factory=dict, repr=False)
-
-    @property
-    def scheme(self) -> QuantScheme:
-        return QuantScheme(self.bits, self.group_size, self.symmetric)
+from sparsegen.models import decoder_layers, require_float_linears
+from sparsegen.quant.checkpoint import block_codec, save_quantized
+from sparsegen.quant.packed import pack_quantized, say_unpacked
+from sparsegen.quant.quantizer import Grid, QuantReport, QuantScheme, default_group_size, make_quantizer
+from sparsegen.registry import settings_of
 
 
 def quantize(
@@ -48,24 +30,26 @@ def quantize(
     progress: bool = True,
     pack: bool = False,
     blocks: Blocks = IN_MEMORY,
-    **options,
+    **settings,
 ) -> QuantReport:
     """Quantize the Linear weights of `model`'s decoder blocks in place (weight-only); return a report.
 
     `group_size` defaults to 128 inputs a scale up to 4 bits and one scale a row above (0).
     The weights become their dequantized values, so the model runs as before; `report.grids` keeps
     the integers' scales for `save_quantized`. Zeros (pruned weights) stay zero. GPTQ needs
-    `calibration` ids [n_samples, seqlen]. With `pack`, the layers then become packed integer
-    layers run by the weight-only kernels (`quant.packed`), as a saved checkpoint loads.
+    `calibration` ids [n_samples, seqlen]. Further keywords are the quantizer's settings (e.g.
+    GPTQ's `damping`), recorded in the report and the checkpoint. With `pack`, the layers then
+    become packed integer layers run by the weight-only kernels (`quant.packed`), as a saved
+    checkpoint loads.
     """
     require_float_linears(model, "quantize")
     group_size = default_group_size(bits) if group_size is None else group_size
     scheme = QuantScheme(bits, group_size, symmetric)
-    quantizer = make_quantizer(method, **options)
+    quantizer = make_quantizer(method, **settings)
     if quantizer.needs_calibration and (calibration is None or calibration.dim() != 2):
         raise SparsegenError(f"{method} needs calibration token ids [n_samples, seqlen]")
     n_samples, seqlen = calibration.shape if quantizer.needs_calibration else (0, 0)
-    report = QuantReport(method, bits, group_size, symmetric, n_samples, seqlen)
+    report = QuantReport(method, bits, group_size, symmetric, n_samples, seqlen, settings=settings_of(quantizer))
     started = time.perf_counter()
     layers = decoder_layers(model)
     prefix = _layers_prefix(model, layers)
@@ -82,8 +66,6 @@ def quantize(
         if grid is not None:  # None: written by an interrupted run
             report.grids[f"{prefix}.{i}.{name}"] = grid
         report.group_sizes[name.rsplit(".", 1)[-1]] = scheme.group_for(linear.in_features)
-
-    from sparsegen.quant.checkpoint import block_codec  # the checkpoint layout builds on this module
 
     desc = f"{method} int{bits} g{group_size}"
     rewrite_layerwise(
@@ -107,3 +89,14 @@ def quantize(
 
 def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
     return next(name for name, module in model.named_modules() if module is layers)
+
+
+def save_pruned_quantized(model: nn.Module, tokenizer, out: str | Path, pruned) -> Path:
+    """Save a quantized model that was just pruned: its weights re-quantized by RTN with the scheme
+    its config records (pruned zeros stay zero), its sparsity recorded beside the quantization."""
+    from sparsegen.prune.checkpoint import sparsity_config  # quant builds on prune: imported here
+
+    settings = model.config.sparsegen_quantization
+    report = quantize(model, "rtn", settings["bits"], settings["group_size"], settings["symmetric"], progress=False)
+    model.config.sparsity_config = sparsity_config(pruned, compressed=False)
+    return save_quantized(model, tokenizer, out, report)

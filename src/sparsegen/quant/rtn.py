@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from sparsegen.prune.base import InputStats
-from sparsegen.quant.base import QuantizedWeight, Quantizer, QuantScheme, register_quantizer
+from sparsegen.prune.pruner import InputStats
+from sparsegen.quant.quantizer import QuantizedWeight, Quantizer, QuantScheme, register_quantizer
 
 
 @register_quantizer
 class RTNQuantizer(Quantizer):
+    """Each group's min-max grid, every weight to its nearest level (no calibration)."""
+
     name = "rtn"
 
     def quantize_weight(self, weight: torch.Tensor, scheme: QuantScheme, stats: InputStats | None) -> QuantizedWeight:

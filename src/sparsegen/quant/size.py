@@ -14,7 +14,7 @@ from torch import nn
 
 from sparsegen.layerwise import block_linears
 from sparsegen.models import decoder_layers
-from sparsegen.quant.base import QuantScheme
+from sparsegen.quant.quantizer import QuantScheme
 
 
 @dataclass(frozen=True)

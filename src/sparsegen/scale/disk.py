@@ -27,7 +27,8 @@ from sparsegen.distributed import is_writer
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import save_safetensors, write_json
 from sparsegen.layerwise import Blocks, Codec
-from sparsegen.models import _assemble, decoder_layers, resolve_model_path
+from sparsegen.loading import _assemble, resolve_model_path
+from sparsegen.models import decoder_layers
 
 INDEX = "model.safetensors.index.json"
 JOB = "job.json"

@@ -90,7 +90,7 @@ def run_cell(model: str, calibration: dict, cell: Cell, threads: int = 1) -> dic
     import torch
 
     from sparsegen.data import calibration_samples, load_text
-    from sparsegen.models import load
+    from sparsegen.loading import load
     from sparsegen.prune import prune
     from sparsegen.quant import quantize
 

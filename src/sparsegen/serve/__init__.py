@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from sparsegen.serve.app import create_app
-from sparsegen.serve.engine import Engine, Job
+from sparsegen.serve.batching import Engine, Job
 
 __all__ = ["Engine", "Job", "build_app", "create_app"]
 
@@ -26,7 +26,7 @@ def build_app(
     policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
     and held conversation; up to `max_queue` requests wait for room, later ones get a 429.
     """
-    from sparsegen.models import load
+    from sparsegen.loading import load
 
     network, tokenizer = load(model) if isinstance(model, str) else model
     engine = Engine(

@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from sparsegen.serve.engine import Engine
+from sparsegen.serve.batching import Engine
 from sparsegen.serve.routes import router
 from sparsegen.serve.schemas import ApiError, error_body
 from sparsegen.serve.server import Server

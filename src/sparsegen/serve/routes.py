@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from sparsegen.serve.engine import Job
+from sparsegen.serve.batching import Job
 from sparsegen.serve.events import Done, PromptLogprobs, Token
 from sparsegen.serve.schemas import ApiError, ChatRequest, CompletionRequest, error_body
 from sparsegen.serve.server import Server, sse, usage

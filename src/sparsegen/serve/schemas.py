@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparsegen.serve.engine import Engine
+from sparsegen.serve.batching import Engine
 
 
 class ApiError(Exception):

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from sparsegen.errors import SparsegenError
-from sparsegen.serve.engine import Engine, Job, QueueFull
+from sparsegen.serve.batching import Engine, Job, QueueFull
 from sparsegen.serve.events import Done, Event, Failed
 from sparsegen.serve.schemas import ApiError, Sampling
 

@@ -29,7 +29,7 @@ from prometheus_client import generate_latest
 from sparsegen.decode import Decoder
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
-from sparsegen.kv.base import Policy, make_policy
+from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.stream import read
 from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import choose, stop_tokens

@@ -18,17 +18,13 @@ from typing import ClassVar
 import torch
 
 from sparsegen.errors import SparsegenError
+from sparsegen.registry import Registry
 
-POLICIES: dict[str, type[Policy]] = {}
+POLICIES = Registry("KV policy", "policy")
+register_policy = POLICIES.register
 
 KEEP = float("inf")
 PARTS = ("sinks", "heavy", "recent")
-
-
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy selectable by its `name` from the API and the CLI."""
-    POLICIES[cls.name] = cls
-    return cls
 
 
 @dataclass(frozen=True)
@@ -75,8 +71,6 @@ class Step:
                 chosen = self.weights[:, :, -last:].float()
                 self._received[last] = chosen.view(b, h, -1, *chosen.shape[-2:]).sum(dim=(2, 3))
             else:
-                from sparsegen.kv.attention import attention_received
-
                 self._received[last] = attention_received(self.query[:, :, -last:], self.keys, self.scaling)
         return self._received[last]
 
@@ -85,6 +79,32 @@ class Step:
 
     def is_recent(self) -> torch.Tensor:
         return self.positions >= self.seen - self.sizes.recent
+
+
+def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 24):
+    """Attention probability each key received, summed over new queries and each GQA group.
+
+    query [b, hq, q, d] are the newest q tokens, key [b, hkv, s, d] the held keys followed by
+    those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
+    long prefill never materialises the whole q x s matrix; keys are never copied.
+    """
+    b, hq, q, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    group = hq // hkv
+    grouped = query.view(b, hkv, group, q, d)
+    keys_t = key.transpose(-1, -2)
+    total = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
+    step = max(1, max_elements // max(1, b * hq * s))
+    key_index = torch.arange(s, device=query.device)
+    for start in range(0, q, step):
+        stop = min(q, start + step)
+        rows = grouped[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
+        logits = (rows @ keys_t).float() * scaling  # [b, hkv, group * n, s], rows group-major
+        if q > 1:
+            last_visible = (s - q + torch.arange(start, stop, device=query.device)).repeat(group)
+            logits.masked_fill_(key_index > last_visible[:, None], float("-inf"))
+        total += logits.softmax(-1).sum(dim=2)
+    return total
 
 
 def _check_count(name: str, value) -> None:
@@ -219,17 +239,6 @@ def resolve_budget(
     return POLICIES[policy].split(total, sinks)
 
 
-def settings_help() -> str:
-    """One line per registered policy: its name, what it is, its settings (for the CLI's help)."""
-    lines = []
-    for name in sorted(POLICIES):
-        cls = POLICIES[name]
-        settings = ", ".join(f.name for f in dataclasses.fields(cls))
-        summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
-        lines.append(f"{name}{f' ({settings})' if settings else ''}: {summary}")
-    return "; ".join(lines)
-
-
 def make_policy(policy: str | Policy, budget: int | None = None, **settings) -> Policy:
     """A policy from a registered name and its settings; `budget=` is one total that the policy
     splits into its parts (`sinks=` may fix the sinks). A `Policy` instance is returned unchanged."""
@@ -237,9 +246,7 @@ def make_policy(policy: str | Policy, budget: int | None = None, **settings) -> 
         if budget is not None or settings:
             raise SparsegenError("pass budget keywords with a policy name, not with a Policy instance")
         return policy
-    if policy not in POLICIES:
-        raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
-    cls = POLICIES[policy]
+    cls = POLICIES.named(policy)
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
             raise SparsegenError(
@@ -250,7 +257,4 @@ def make_policy(policy: str | Policy, budget: int | None = None, **settings) -> 
         if any(k in settings for k in ("heavy", "recent")):
             raise SparsegenError("give either budget= or its parts (heavy=, recent=), not both")
         settings = {**settings, **cls.split(budget, settings.pop("sinks", None))}
-    try:
-        return cls(**settings)
-    except TypeError as exc:
-        raise SparsegenError(f"policy {policy!r}: {exc}") from None
+    return POLICIES.make(policy, **settings)

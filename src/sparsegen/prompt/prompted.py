@@ -27,7 +27,7 @@ class PromptedModel:
         cache = self._empty_cache()
         with torch.no_grad():
             embeds = prompt.embeddings.to(model.dtype)[None]
-            model(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
+            model(inputs_embeds=embeds, cache=cache, use_cache=True)
         self._prefix_state = cache.state_dict()
 
     def _empty_cache(self) -> PolicyCache:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsegen.contextual.base import mlp_activations, mlp_parts
+from sparsegen.contextual.parts import mlp_activations, mlp_parts
 from sparsegen.models import decoder_layers
 
 

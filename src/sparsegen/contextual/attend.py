@@ -11,6 +11,8 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from sparsegen.kv.attention import policy_layer_of
+
 
 def rotary(attention: nn.Module) -> Callable:
     """The model's own `apply_rotary_pos_emb` (found in the attention class's module)."""
@@ -25,17 +27,22 @@ def attend(
     value: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
-    past_key_values,
+    cache,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attention`'s output before o_proj [b, t, heads, head_dim] and its weights, from query, key and
-    value [b, heads, t, head_dim] as the projections give them."""
+    value [b, heads, t, head_dim] as the projections give them. A policy cache's layer goes to the
+    attention function as `policy_layer`, as the hook of `kv.attention` passes it to the module
+    this one replaces."""
     if hasattr(attention, "q_norm"):
         query, key = attention.q_norm(query), attention.k_norm(key)
     query, key = rotate(query, key, *position_embeddings)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, attention.layer_idx)
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx)
     config = attention.config
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+    layer = policy_layer_of(cache, attention.layer_idx)
+    if layer is not None:
+        kwargs["policy_layer"] = layer
     kwargs.setdefault("sliding_window", getattr(attention, "sliding_window", getattr(config, "sliding_window", None)))
     return interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)

