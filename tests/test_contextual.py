@@ -404,3 +404,12 @@ def test_contextual_train_reports_recall_per_layer_and_saves_head_predictors(
     model, _ = sparsegen.load(str(tiny_folder))
     load_selectors(model, out)
     assert all(isinstance(layer.self_attn, SparseAttention) for layer in decoder_layers(model))
+
+
+def test_a_selectors_settings_are_saved_and_loaded_with_it(tmp_path):
+    model = build_tiny("llama")
+    selectors = sparsify(model, "predictor", 0.5, calibration=_ids(), progress=False, rank=8, steps=20)
+    save_selectors(model, selectors, tmp_path, "predictor", 0.5)
+    loaded = load_selectors(build_tiny("llama"), tmp_path)
+    assert (loaded[0].rank, loaded[0].steps, loaded[0].sparsity) == (8, 20, 0.5)
+    assert loaded[0].down.shape[1] == 8

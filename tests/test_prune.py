@@ -256,3 +256,14 @@ def test_sparsegpt_block_scope_keeps_the_layer_ratio_but_not_each_row():
     assert len(set((pruned == 0).sum(1).tolist())) > 1
     with pytest.raises(SparsegenError, match="mask_scope"):
         make_pruner("sparsegpt", mask_scope="column")
+
+
+def test_a_pruners_settings_are_recorded_in_its_checkpoint(tmp_path):
+    model = build_tiny("qwen2")
+    report = prune(model, "sparsegpt", 0.5, calibration=_calibration(), progress=False, mask_scope="row", damping=0.02)
+    assert report.settings == {"block_size": 128, "damping": 0.02, "mask_scope": "row"}
+    folder = save_pruned(model, None, tmp_path / "pruned", report)
+    config = json.loads((folder / "config.json").read_text())["sparsity_config"]
+    assert config["settings"] == report.settings
+    with pytest.raises(SparsegenError, match="pruner 'sparsegpt'.*unexpected keyword argument 'blocksize'"):
+        prune(build_tiny("qwen2"), "sparsegpt", 0.5, calibration=_calibration(), blocksize=64)

@@ -119,3 +119,10 @@ def test_bits_per_weight_counts_scales_zero_points_and_masks():
 def test_bad_inputs_are_clear_errors(call, message):
     with pytest.raises(SparsegenError, match=message):
         call(build_tiny("llama"))
+
+
+def test_a_quantizers_settings_are_recorded_in_its_checkpoint(tmp_path):
+    model = build_tiny("llama")
+    report = quantize(model, "gptq", 4, 32, calibration=_calibration(), progress=False, damping=0.05)
+    folder = save_quantized(model, None, tmp_path / "q", report)
+    assert json.loads((folder / "config.json").read_text())["sparsegen_quantization"]["settings"] == {"damping": 0.05}

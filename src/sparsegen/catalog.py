@@ -20,6 +20,7 @@ SOURCE = Path(__file__).parent
 def read_registries() -> dict:
     """The names and one-line help of every registered method, from the registries themselves."""
     from sparsegen.contextual import SELECTORS
+    from sparsegen.contextual.selector import faster_selectors
     from sparsegen.kv import POLICIES
     from sparsegen.prune import PRUNERS
     from sparsegen.quant import QUANTIZERS
@@ -29,8 +30,7 @@ def read_registries() -> dict:
         "streamable_policies": [name for name, cls in POLICIES.items() if not cls.prefill_only],
         "policy_help": POLICIES.help(),
         "selectors": {name: SELECTORS.summary(name) for name in sorted(SELECTORS)},
-        # those whose choice needs no h, so their MLP can run gathered: the ones a speed bench compares
-        "faster_selectors": sorted(name for name, cls in SELECTORS.items() if not cls.needs_hidden),
+        "faster_selectors": faster_selectors(),
         "pruners": sorted(PRUNERS),
         "quantizers": sorted(QUANTIZERS),
     }

@@ -62,7 +62,7 @@ def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float
 
 def bench_contextual(
     model_name: str = "smollm2-135m",
-    selectors: tuple[str, ...] = ("threshold", "static"),
+    selectors: tuple[str, ...] | None = None,
     sparsities: tuple[float, ...] = (0.5,),
     batches: tuple[int, ...] = (1,),
     context: int = 256,
@@ -76,6 +76,7 @@ def bench_contextual(
 ) -> list[dict]:
     from sparsegen.contextual import densify, install, sparsify
     from sparsegen.contextual.apply import installed_heads
+    from sparsegen.contextual.selector import faster_selectors
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.loading import load
 
@@ -83,6 +84,7 @@ def bench_contextual(
     text = load_text(calib_text)
     calibration = calibration_samples(tokenizer, text, 8, 256, seed=0)
     bandwidth = read_bandwidth_gbs()
+    selectors = tuple(faster_selectors()) if selectors is None else selectors
     configs = [("dense", 0.0, 0.0)] + [(s, p, h) for s in selectors for p in sparsities for h in head_sparsities]
     installed: dict = {}
     timings: dict = {}

@@ -78,6 +78,12 @@ class Selector(ABC):
             setattr(self, name, value)
 
 
+def faster_selectors() -> list[str]:
+    """The selectors whose choice needs no h, so their MLP can run gathered: those a speed bench
+    compares against dense."""
+    return sorted(name for name, cls in SELECTORS.items() if not cls.needs_hidden)
+
+
 def checked_sparsity(sparsity: float, what: str = "sparsity") -> float:
     if not 0 <= sparsity < 1:
         raise SparsegenError(f"{what} must be in [0, 1), got {sparsity}")
