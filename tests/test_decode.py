@@ -218,5 +218,7 @@ def test_generate_leaves_the_model_as_given():
     assert not any("forward" in m.__dict__ for m in model.modules())
     make_cache(model, "streaming", budget=8)
     assert model.config._attn_implementation != before
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == model.config.num_hidden_layers
     restore_attention(model)
     assert model.config._attn_implementation == before
+    assert not any(m._forward_pre_hooks for m in model.modules())
