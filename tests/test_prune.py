@@ -267,3 +267,15 @@ def test_a_pruners_settings_are_recorded_in_its_checkpoint(tmp_path):
     assert config["settings"] == report.settings
     with pytest.raises(SparsegenError, match="pruner 'sparsegpt'.*unexpected keyword argument 'blocksize'"):
         prune(build_tiny("qwen2"), "sparsegpt", 0.5, calibration=_calibration(), blocksize=64)
+
+
+def test_linears_reading_one_tensor_share_their_statistics():
+    from sparsegen.layerwise import capture_inputs, collect_stats
+
+    model = build_tiny("llama")
+    inputs, kwargs, dtype = capture_inputs(model, _calibration(), 2, None)
+    _, stats = collect_stats(decoder_layers(model)[0], inputs, kwargs[0], dtype, need_hessian=True)
+    attention, mlp = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+    assert len({id(stats[f"self_attn.{n}"]) for n in attention}) == 1 and len({id(stats[f"mlp.{n}"]) for n in mlp}) == 1
+    assert len({id(s) for s in stats.values()}) == 4  # qkv, o, gate/up, down
+    assert stats["self_attn.q_proj"].samples == 4 * 32 and stats["self_attn.o_proj"].samples == 4 * 32

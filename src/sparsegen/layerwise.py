@@ -276,11 +276,27 @@ def run_block(block: nn.Module, inputs: Hidden, kwargs: dict, dtype: torch.dtype
 def collect_stats(
     block: nn.Module, inputs: Hidden, kwargs: dict, dtype: torch.dtype | None, need_hessian: bool
 ) -> tuple[dict[str, nn.Linear], dict[str, InputStats]]:
-    """Run the block over the inputs, accumulating each Linear's input statistics."""
+    """Run the block over the inputs, accumulating each Linear's input statistics. Linears that
+    read the same tensor (q/k/v, gate/up) share one `InputStats`: the sums are the same, computed
+    and held once (a 7B block's Gram matrices: 1.4 GB instead of 1.8)."""
     linears = block_linears(block)
-    stats = {name: InputStats(linear.in_features, need_hessian) for name, linear in linears.items()}
+    stats: dict[str, InputStats] = {}
+    adding: list[str] = []  # the Linears whose hook adds, in call order (ranks reduce in one order)
+    first_inputs: list[tuple[torch.Tensor, InputStats]] = []  # inputs of the first forward so far
+
+    def add(name: str, x: torch.Tensor) -> None:
+        if name not in stats:
+            shared = next((seen for tensor, seen in first_inputs if tensor is x), None)
+            if shared is None:
+                shared = InputStats(linears[name].in_features, need_hessian)
+                first_inputs.append((x, shared))
+                adding.append(name)
+            stats[name] = shared
+        if name in adding:
+            stats[name].add(x)
+
     handles = [
-        linear.register_forward_hook(lambda m, args, out, s=stats[name]: s.add(args[0]))
+        linear.register_forward_hook(lambda m, args, out, name=name: add(name, args[0]))
         for name, linear in linears.items()
     ]
     try:
@@ -288,11 +304,12 @@ def collect_stats(
             for hidden in inputs:
                 with _autocast(hidden.device, dtype):
                     block(hidden, **kwargs)
+                first_inputs.clear()
     finally:
         for handle in handles:
             handle.remove()
-    for stat in stats.values():
-        stat.all_reduce()
+    for name in adding:
+        stats[name].all_reduce()
     return linears, stats
 
 
