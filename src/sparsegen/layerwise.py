@@ -15,9 +15,10 @@ import os
 import shutil
 import tempfile
 import time
+from abc import ABC
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -77,6 +78,17 @@ class InputStats:
         if self.gram is not None:
             all_reduce_sum(self.gram)
         self.samples = int(count.item())
+
+
+@dataclass
+class LinearRewrite(ABC):
+    """What `rewrite_layerwise` runs on each Linear, the base of pruners and quantizers: a
+    dataclass whose fields are the method's settings. `needs_calibration`: it reads `InputStats`;
+    `needs_hessian`: their Gram matrix too."""
+
+    name: ClassVar[str]
+    needs_calibration: ClassVar[bool] = False
+    needs_hessian: ClassVar[bool] = False
 
 
 def machine_ram_bytes() -> int:

@@ -70,20 +70,19 @@ def use_policy_attention(model: torch.nn.Module) -> None:
     """Switch `model` to the sparsegen wrapper of its attention implementation (sdpa or eager) and
     hook its attention modules to pass on their policy layers; `restore_attention` undoes both."""
     current = model.config._attn_implementation
-    if current.startswith(PREFIX) and model in _HOOKS:
-        return
-    if not current.startswith(PREFIX) and current not in BASE_IMPLEMENTATIONS:
-        raise SparsegenError(
-            f"attention implementation {current!r} is not supported by KV policies; load the model with "
-            "attn_implementation='sdpa' or 'eager'"
-        )
     if not current.startswith(PREFIX):
+        if current not in BASE_IMPLEMENTATIONS:
+            raise SparsegenError(
+                f"attention implementation {current!r} is not supported by KV policies; load the model with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
         model.set_attn_implementation(PREFIX + current)
-    _HOOKS[model] = [
-        module.register_forward_pre_hook(_hand_policy_layer, with_kwargs=True)
-        for module in model.modules()
-        if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "q_proj")
-    ]
+    if model not in _HOOKS:
+        _HOOKS[model] = [
+            module.register_forward_pre_hook(_hand_policy_layer, with_kwargs=True)
+            for module in model.modules()
+            if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "q_proj")
+        ]
 
 
 def restore_attention(model: torch.nn.Module) -> None:

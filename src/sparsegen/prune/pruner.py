@@ -7,14 +7,14 @@ update the remaining entries, as SparseGPT does). One file per pruner; each regi
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.layerwise import InputStats
+from sparsegen.layerwise import InputStats, LinearRewrite
 from sparsegen.registry import Registry
 
 PRUNERS = Registry("pruning method", "pruner")
@@ -74,13 +74,11 @@ def inverse_hessian_factor(hessian: torch.Tensor, weight: torch.Tensor, damping:
 
 
 @dataclass
-class Pruner(ABC):
-    """Base class: a dataclass whose fields are the pruner's settings; set `name`,
-    `needs_calibration`, `needs_hessian`; implement `prune_weight`."""
+class Pruner(LinearRewrite):
+    """Base class: set `name`, `needs_calibration` (default True), `needs_hessian`; implement
+    `prune_weight`."""
 
-    name: ClassVar[str]
     needs_calibration: ClassVar[bool] = True
-    needs_hessian: ClassVar[bool] = False
 
     @abstractmethod
     def prune_weight(self, weight: torch.Tensor, pattern: Pattern, stats: InputStats | None) -> torch.Tensor:

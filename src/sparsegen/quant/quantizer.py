@@ -8,14 +8,13 @@ are written and read by that library. Zero is always on the grid, so pruned weig
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.prune.pruner import InputStats
+from sparsegen.layerwise import InputStats, LinearRewrite
 from sparsegen.registry import Registry
 
 QUANTIZERS = Registry("quantization method", "quantizer")
@@ -136,13 +135,8 @@ class QuantReport:
 
 
 @dataclass
-class Quantizer(ABC):
-    """Base class: a dataclass whose fields are the quantizer's settings; set `name`,
-    `needs_calibration`, `needs_hessian`; implement `quantize_weight`."""
-
-    name: ClassVar[str]
-    needs_calibration: ClassVar[bool] = False
-    needs_hessian: ClassVar[bool] = False
+class Quantizer(LinearRewrite):
+    """Base class: set `name`, `needs_calibration`, `needs_hessian`; implement `quantize_weight`."""
 
     @abstractmethod
     def quantize_weight(self, weight: torch.Tensor, scheme: QuantScheme, stats: InputStats | None) -> QuantizedWeight:
