@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors, interpreted (decided when triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,

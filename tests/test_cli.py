@@ -253,3 +253,52 @@ def test_the_cli_starts_without_torch_and_its_catalog_is_the_registries(tmp_path
     probe = "import sys, sparsegen.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
     started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert started.stdout.split() == ["False", "False"]
+
+
+def _commands(group, prefix=()):
+    """Every command of the CLI as (words, click command)."""
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):  # a group
+            yield from _commands(command, (*prefix, name))
+        else:
+            yield (*prefix, name), command
+
+
+def test_every_command_accepts_a_device():
+    import typer
+
+    root = typer.main.get_command(cli.app)
+    commands = dict(_commands(root))
+    assert len(commands) >= 28
+    lacking = [" ".join(words) for words, command in commands.items()
+               if "--device" not in {opt for param in command.params for opt in param.opts}]  # fmt: skip
+    assert lacking == []
+
+
+def test_a_device_that_is_not_here_is_a_one_line_error(monkeypatch, capsys, tiny_folder):
+    import torch
+
+    code, out, _ = run_cli(monkeypatch, capsys, "info", "--model", tiny_folder, "--device", "cpu")
+    assert code == 0 and "llama" in out
+    if not torch.cuda.is_available():
+        code, _, err = run_cli(monkeypatch, capsys, "info", "--model", tiny_folder, "--device", "cuda")
+        assert code == 2 and "no CUDA GPU is visible" in err and "--device cpu" in err and "Traceback" not in err
+    code, _, err = run_cli(monkeypatch, capsys, "info", "--model", tiny_folder, "--device", "tpu9")
+    assert code == 2 and "use cpu, cuda or cuda:N" in err and "Traceback" not in err
+
+
+def test_bench_gpu_runs_every_measurement_on_a_tiny_shape_here(monkeypatch, capsys, tmp_path):
+    """The GPU benchmark's code, run on this machine's device with a tiny random Llama (eager)."""
+    from sparsegen.bench.gpu import bench_gpu
+
+    rows = bench_gpu("tiny", None, context=16, long_context=64, new_tokens=6, kv_mb=0.25, prompt=30,
+                     sparsities=(0.5,), calibration=(2, 16), compile="never", out=tmp_path, progress=lambda m: None)  # fmt: skip
+    whats = [row["what"] for row in rows]
+    for what in ("dense decode", "long context", "fixed KV memory", "contextual", "2:4 matmul", "pruning"):
+        assert what in whats
+    assert all(row["tokens_per_s"] > 0 for row in rows if "tokens_per_s" in row)
+    fixed = {row["setting"].split(",")[0]: row["batch"] for row in rows if row["what"] == "fixed KV memory"}
+    assert fixed["h2o"] > 3 * fixed["full"]  # h2o at 20% fits more rows in the same KV memory
+    assert "random weights" in (tmp_path / "bench_gpu.md").read_text()
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "gpu", "--shape", "huge")
+    assert code == 2 and "unknown shape 'huge'" in err

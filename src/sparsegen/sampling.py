@@ -57,14 +57,15 @@ def choose(
 ) -> torch.Tensor:
     """The one sampler: the next token of each row [b] from logits [b, vocab], greedy where the
     row's temperature is 0, else drawn from its top-p nucleus with the row's own generator (so a
-    row samples as its single-row run). `temperature` and `top_p` are one value or one per row."""
+    row samples as its single-row run, on any device: the draw is made on the CPU). `temperature`
+    and `top_p` are one value or one per row."""
     rows = logits.shape[0]
     temperatures = temperature if isinstance(temperature, list) else [temperature] * rows
     top_ps = top_p if isinstance(top_p, list) else [top_p] * rows
     tokens = logits.argmax(-1)
     for row, (t, p, generator) in enumerate(zip(temperatures, top_ps, generators or [None] * rows, strict=True)):
         if t > 0:
-            probs = (logits[row] / t).softmax(-1)
+            probs = (logits[row].float().cpu() / t).softmax(-1)
             if p < 1:
                 sorted_probs, order = probs.sort(descending=True)
                 outside = sorted_probs.cumsum(-1) - sorted_probs >= p

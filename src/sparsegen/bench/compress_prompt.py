@@ -70,6 +70,7 @@ def bench_compress_prompt(
     zeroshot_variants: tuple[str, ...] = ("dense", PROMPT_VARIANT),
     out: Path = Path("results/bench_compress_prompt"),
     progress: Callable[[str], None] = print,
+    device: str | None = None,
 ) -> list[dict]:
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.errors import SparsegenError
@@ -85,7 +86,7 @@ def bench_compress_prompt(
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     results: dict[str, dict] = json.loads(results_path.read_text()) if results_path.exists() else {}
-    dense, tokenizer = load(model_name)
+    dense, tokenizer = load(model_name, device=device)
     text = load_text(train_text)
     cut = int(len(text) * 0.9)
     calibration = calibration_samples(tokenizer, text[:cut], calib_samples, calib_seqlen, seed=0)
@@ -98,7 +99,7 @@ def bench_compress_prompt(
     prompt = None
 
     def compressed(variant: Variant):
-        model, _ = load(model_name)
+        model, _ = load(model_name, device=device)
         return model, variant.build(model, calibration, group_size)
 
     order = sorted(VARIANTS, key=lambda v: v.name != prompt_variant)  # the prompt's own variant first

@@ -73,6 +73,7 @@ def bench_contextual(
     head_sparsities: tuple[float, ...] = (0.0,),
     out: Path = Path("results/bench_contextual"),
     progress: Callable[[str], None] = print,
+    device: str | None = None,
 ) -> list[dict]:
     from sparsegen.contextual import densify, install, sparsify
     from sparsegen.contextual.apply import installed_heads
@@ -80,7 +81,7 @@ def bench_contextual(
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.loading import load
 
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     text = load_text(calib_text)
     calibration = calibration_samples(tokenizer, text, 8, 256, seed=0)
     bandwidth = read_bandwidth_gbs()

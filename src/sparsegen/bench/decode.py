@@ -22,14 +22,16 @@ from sparsegen.models import DTYPES, kv_bytes_per_token
 from sparsegen.report import markdown_table, run_meta
 
 
-def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, rows, threads) -> dict:
+def _fast_worker(
+    model_name, text, context, new_tokens, dtype, policy, budget, rows, threads, device: str | None = None
+) -> dict:
     """Per-step time of the fast path after `context` tokens per row."""
     from sparsegen.bench.measure import peak_rss_mb
     from sparsegen.decode import generate
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)
-    model, tokenizer = load(model_name, dtype=DTYPES[dtype])
+    model, tokenizer = load(model_name, dtype=DTYPES[dtype], device=device)
     prompts = text_stretches(tokenizer, text, rows, context)
     out = generate(model, prompts, new_tokens, policy=policy, compile="always", eos_token_id=[], **budget)
     held = context if policy == "full" else min(context, sum(budget.values()))
@@ -44,7 +46,7 @@ def _fast_worker(model_name, text, context, new_tokens, dtype, policy, budget, r
     }
 
 
-def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads) -> dict:
+def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads, device: str | None = None) -> dict:
     """What bf16 costs: perplexity and top-1 agreement with fp32, for bf16 weights (whole windows)
     and for a bf16 KV cache under fp32 weights (teacher-forced through the decode step)."""
     from sparsegen.data import load_text, tokenize_long
@@ -52,7 +54,7 @@ def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads) 
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=seqlen * windows).view(windows, seqlen)
 
     def nll_and_top1(logits: torch.Tensor, targets: torch.Tensor):
@@ -121,6 +123,7 @@ def bench_decode(
     quantized: bool = True,
     llama_cpp: str | None = None,
     quality_text: str = "milton",
+    device: str | None = None,
 ) -> dict:
     """generate() vs the fast path (fp32, bf16 weights, and int8 / int4 packed checkpoints with
     their perplexity on `quality_text` against their dequantized selves; llama.cpp on the model's
@@ -129,13 +132,13 @@ def bench_decode(
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
     progress(f"read bandwidth {bandwidth:.1f} GB/s; generate() fp32 after {context} tokens")
-    ms, rss = _in_process(generate_latency, model_name, text, context, new_tokens, None, threads)
-    weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name)
+    ms, rss = _in_process(generate_latency, model_name, text, context, new_tokens, None, threads, device=device)
+    weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name, device=device)
     base = {"ms": ms, "rss": rss, "weight_mb": weight_mb, "kv_mb": (context + new_tokens // 2) * kv_mb_per_token}
     rows = [{"config": f"generate() fp32, {context} ctx", **base}]
     runs = [(model_name, "fp32", "full", {}, context, f"fast fp32, {context} ctx")]
     runs += [(model_name, "bf16", "full", {}, context, f"fast bf16 weights, {context} ctx")]
-    folders = _in_process(quantized_checkpoints, model_name, out) if quantized else {}
+    folders = _in_process(quantized_checkpoints, model_name, out, device=device) if quantized else {}
     runs += [
         (str(path), "fp32", "full", {}, context, f"fast {label} packed, {context} ctx")
         for label, path in folders.items()
@@ -147,13 +150,15 @@ def bench_decode(
         runs += [(model_name, "fp32", "streaming", stream, long_context, label)]
     for name, dtype, policy, budget, length, label in runs:
         progress(label)
-        result = _in_process(_fast_worker, name, text, length, new_tokens, dtype, policy, budget, 1, threads)
+        result = _in_process(
+            _fast_worker, name, text, length, new_tokens, dtype, policy, budget, 1, threads, device=device
+        )
         rows.append({"config": label, **result})
     if llama_cpp:
         progress(f"llama.cpp under {llama_cpp}")
         from sparsegen.loading import load
 
-        prompt = text_stretches(load(model_name)[1], text, 1, context)[0]
+        prompt = text_stretches(load(model_name, device=device)[1], text, 1, context)[0]
         theirs = llama_cpp_row(llama_cpp, model_name, prompt, new_tokens, threads)
         kv_mb = (context + new_tokens // 2) * kv_mb_per_token / 2  # llama.cpp keeps keys and values in fp16
         rows.append({"config": f"llama.cpp {theirs['gguf']}, {context} ctx", **theirs, "kv_mb": kv_mb})
@@ -180,7 +185,7 @@ def bench_decode(
     if folders:
         progress(f"quantized perplexity on {quality_text}: packed vs dequantized")
         result["quantized"] = {
-            label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads)
+            label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads, device=device)
             for label, path in folders.items()
         }
         notes += [
@@ -189,7 +194,7 @@ def bench_decode(
             for label, q in result["quantized"].items()
         ]
     progress("what bf16 costs: perplexity and top-1 agreement with fp32")
-    quality = _in_process(_bf16_quality_worker, model_name, text, 1024, 4, 256, threads)
+    quality = _in_process(_bf16_quality_worker, model_name, text, 1024, 4, 256, threads, device=device)
     result["bf16"] = quality
     notes.append(
         f"bf16 weights: perplexity {quality['weights_ppl_fp32']:.3f} -> {quality['weights_ppl_bf16']:.3f}, "
@@ -232,6 +237,7 @@ def bench_throughput(
     threads: int | None = None,
     out: Path = Path("results/bench_throughput"),
     progress=print,
+    device: str | None = None,
 ) -> dict:
     """H2O's headline experiment: in one KV memory budget, the largest batch that fits for dense,
     h2o (heavy + recent = 2 x `heavy_share` of the prompt), and streaming of the same size; then
@@ -239,7 +245,7 @@ def bench_throughput(
     from sparsegen.loading import load
 
     threads = threads or torch.get_num_threads()
-    model, _ = load(model_name)
+    model, _ = load(model_name, device=device)
     per_token = kv_bytes_per_token(model, torch.float32)
     del model
     share = int(heavy_share * prompt)
@@ -255,7 +261,9 @@ def bench_throughput(
             rows.append({"config": label, "batch": 0})
             continue
         progress(f"{label}: batch {batch}")
-        result = _in_process(_fast_worker, model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads)
+        result = _in_process(
+            _fast_worker, model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads, device=device
+        )
         rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * slots * per_token / 1e6})
     meta = run_meta(model=model_name, text=text, prompt=prompt, new_tokens=new_tokens, kv_budget_mb=kv_mb)
     out.mkdir(parents=True, exist_ok=True)

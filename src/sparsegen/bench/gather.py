@@ -48,13 +48,14 @@ def bench_gather(
     rounds: int = 2,
     out: Path = Path("results/bench_gather"),
     progress: Callable[[str], None] = print,
+    device: str | None = None,
 ) -> list[dict]:
     from sparsegen.contextual.input_sparse import InputSparseLinear
     from sparsegen.contextual.teal import projection_groups
     from sparsegen.loading import load
     from sparsegen.prune.pipeline import decoder_layers
 
-    model, _ = load(model_name)
+    model, _ = load(model_name, device=device)
     groups = [linears for layer in decoder_layers(model) for linears in projection_groups(layer).values()]
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(1, linears[0].in_features, generator=generator) for linears in groups]

@@ -33,11 +33,11 @@ COLUMNS = [
 ]
 
 
-def _prefix(model_name: str, text: str, tokens: int):
+def _prefix(model_name: str, text: str, tokens: int, device: str | None = None):
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.loading import load
 
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)[None]
     return model, ids
 
@@ -50,6 +50,7 @@ def generate_latency(
     cache_size: int | None,
     threads: int,
     policy: str = "streaming",
+    device: str | None = None,
 ):
     """Per-token latency of generate() after `context` tokens: a streaming cache of `cache_size`, or dense."""
     from transformers import DynamicCache, LogitsProcessorList
@@ -58,7 +59,7 @@ def generate_latency(
     from sparsegen.kv import make_cache
 
     torch.set_num_threads(threads)
-    model, ids = _prefix(model_name, text, context)
+    model, ids = _prefix(model_name, text, context, device=device)
     cache = DynamicCache() if cache_size is None else make_cache(model, policy, budget=cache_size)
     clock = TokenClock()
     with torch.inference_mode():
@@ -75,12 +76,12 @@ def generate_latency(
     return clock.decode_ms(), peak_rss_mb()
 
 
-def _recompute_worker(model_name: str, text: str, window: int, repeats: int, threads: int):
+def _recompute_worker(model_name: str, text: str, window: int, repeats: int, threads: int, device: str | None = None):
     """Per-token latency of the sliding window with re-computation: a fresh forward over W tokens."""
     from sparsegen.bench.measure import peak_rss_mb
 
     torch.set_num_threads(threads)
-    model, ids = _prefix(model_name, text, window + repeats)
+    model, ids = _prefix(model_name, text, window + repeats, device=device)
     times = []
     with torch.inference_mode():
         for r in range(repeats):
@@ -90,13 +91,22 @@ def _recompute_worker(model_name: str, text: str, window: int, repeats: int, thr
     return statistics.median(times) * 1000, peak_rss_mb()
 
 
-def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int, chunk: int, every: int, threads: int):
+def _stream_rss_worker(
+    model_name: str,
+    text: str,
+    tokens: int,
+    cache_size: int,
+    chunk: int,
+    every: int,
+    threads: int,
+    device: str | None = None,
+):
     """RSS along a long stream through a streaming cache (text repeated as needed)."""
     from sparsegen.bench.measure import current_rss_mb
     from sparsegen.kv import make_cache
 
     torch.set_num_threads(threads)
-    model, ids = _prefix(model_name, text, min(tokens, 400_000))
+    model, ids = _prefix(model_name, text, min(tokens, 400_000), device=device)
     ids = ids[0].repeat((tokens + ids.numel() - 1) // ids.numel())[:tokens]
     cache = make_cache(model, "streaming", budget=cache_size, sinks=4)
     samples = []
@@ -109,12 +119,12 @@ def _stream_rss_worker(model_name: str, text: str, tokens: int, cache_size: int,
     return samples
 
 
-def bytes_per_step(model_name: str) -> tuple[float, float]:
+def bytes_per_step(model_name: str, device: str | None = None) -> tuple[float, float]:
     """MB of weights a decode step reads, and MB of KV per held token (fp32)."""
     from sparsegen.loading import load
     from sparsegen.models import kv_bytes_per_token
 
-    model, _ = load(model_name)
+    model, _ = load(model_name, device=device)
     return weight_bytes(model) / 1e6, kv_bytes_per_token(model, torch.float32) / 1e6
 
 
@@ -130,6 +140,7 @@ def bench_kv(
     threads: int | None = None,
     progress=print,
     also: tuple[str, ...] = (),
+    device: str | None = None,
 ) -> dict:
     """Run the benchmark; write `bench_kv.md`, `bench_kv.json` and `bench_kv.png` into `out`.
 
@@ -137,14 +148,20 @@ def bench_kv(
     """
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
-    weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name)
+    weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name, device=device)
     rows = []
     progress(f"read bandwidth {bandwidth:.1f} GB/s; dense: generate() after {context} tokens")
-    dense_ms, dense_rss = _in_process(generate_latency, model_name, text, context, new_tokens, None, threads)
+    dense_ms, dense_rss = _in_process(
+        generate_latency, model_name, text, context, new_tokens, None, threads, device=device
+    )
     for size in sizes:
         progress(f"cache {size}: streaming after {context} tokens, recompute over {size}")
-        stream_ms, stream_rss = _in_process(generate_latency, model_name, text, context, new_tokens, size, threads)
-        recompute_ms, recompute_rss = _in_process(_recompute_worker, model_name, text, size, repeats, threads)
+        stream_ms, stream_rss = _in_process(
+            generate_latency, model_name, text, context, new_tokens, size, threads, device=device
+        )
+        recompute_ms, recompute_rss = _in_process(
+            _recompute_worker, model_name, text, size, repeats, threads, device=device
+        )
         rows.append(
             {
                 "cache": size,
@@ -163,7 +180,7 @@ def bench_kv(
         for policy in also:
             progress(f"cache {size}: {policy} after {context} tokens")
             rows[-1][f"{policy}_ms"] = _in_process(
-                generate_latency, model_name, text, context, new_tokens, size, threads, policy
+                generate_latency, model_name, text, context, new_tokens, size, threads, policy, device=device
             )[0]
     memory = []
     for tokens in stream_tokens:
@@ -172,7 +189,15 @@ def bench_kv(
             {
                 "tokens": tokens,
                 "samples": _in_process(
-                    _stream_rss_worker, model_name, text, tokens, sizes[0], 256, max(1000, tokens // 20), threads
+                    _stream_rss_worker,
+                    model_name,
+                    text,
+                    tokens,
+                    sizes[0],
+                    256,
+                    max(1000, tokens // 20),
+                    threads,
+                    device=device,
                 ),
             }
         )

@@ -55,24 +55,28 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def in_process(fn, *args):
-    """Run `fn(*args)` in a fresh spawned process: its peak RSS and warm caches are its own."""
+def in_process(fn, *args, **kwargs):
+    """Run `fn(*args, **kwargs)` in a fresh spawned process: its peak RSS and warm caches are its own."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+        return pool.apply(fn, args, kwargs)
 
 
-def read_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
-    """Memory read bandwidth of this machine in GB/s: the best of `repeats` sums over a tensor far
-    larger than the caches (the bound a memory-bound decode step is measured against)."""
+def read_bandwidth_gbs(megabytes: int = 256, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Memory read bandwidth of this machine (or of a GPU's memory) in GB/s: the best of `repeats`
+    sums over a tensor far larger than the caches (the bound a memory-bound decode step is
+    measured against)."""
     import time
 
-    data = torch.ones(megabytes * 2**20 // 4)
+    data = torch.ones(megabytes * 2**20 // 4, device=device)
+    settle = torch.cuda.synchronize if data.is_cuda else lambda: None
     data.sum()
+    settle()
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         data.sum()
+        settle()
         best = min(best, time.perf_counter() - started)
     return data.numel() * 4 / best / 1e9

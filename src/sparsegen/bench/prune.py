@@ -47,20 +47,21 @@ def bench_prune(
     out: Path = Path("results/bench_prune"),
     progress=print,
     gemv_shape: tuple[int, int] = (1536, 576),
+    device: str | None = None,
 ) -> dict:
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.loading import load
     from sparsegen.prune import PRUNERS, prune
     from sparsegen.prune.accelerate import CSRLinear, accelerate
 
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     corpus = load_text(text)
     calibration = calibration_samples(tokenizer, corpus, n_samples, seqlen)
     timing = []
     calibrated = [m for m in sorted(PRUNERS) if PRUNERS[m].needs_calibration]
     for method, pattern in [(m, None) for m in sorted(PRUNERS)] + [(m, "2:4") for m in calibrated]:
         progress(f"pruning time: {method} {pattern or 'unstructured'}")
-        model, _ = load(model_name)
+        model, _ = load(model_name, device=device)
         report = prune(model, method, 0.5, pattern, calibration=calibration, progress=False)
         timing.append({"method": method, "pattern": report.pattern, "seconds": report.seconds})
     wanda = {row["pattern"]: row["seconds"] for row in timing if row["method"] == "wanda"}
@@ -71,7 +72,7 @@ def bench_prune(
     speed = []
     for sparsity in sparsities:
         progress(f"decode speed at {sparsity:.0%} (magnitude-pruned; speed does not depend on the method)")
-        model, _ = load(model_name)
+        model, _ = load(model_name, device=device)
         prune(model, "magnitude", sparsity, progress=False)
         dense_tok_s = _decode_tok_s(model, prompt, decode_tokens)
         ratios = accelerate(model)

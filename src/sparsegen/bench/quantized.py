@@ -21,7 +21,7 @@ from sparsegen.errors import SparsegenError
 SCHEMES = {"int8": 8, "int4": 4}
 
 
-def quantized_checkpoints(model_name: str, out: Path) -> dict[str, Path]:
+def quantized_checkpoints(model_name: str, out: Path, device: str | None = None) -> dict[str, Path]:
     """Write each scheme's RTN checkpoint of `model_name` under `out` (rebuilt every run)."""
     from sparsegen.loading import load
     from sparsegen.quant import quantize
@@ -29,24 +29,24 @@ def quantized_checkpoints(model_name: str, out: Path) -> dict[str, Path]:
 
     folders = {}
     for label, bits in SCHEMES.items():
-        model, tokenizer = load(model_name)
+        model, tokenizer = load(model_name, device=device)
         report = quantize(model, "rtn", bits, progress=False)
         folders[label] = save_quantized(model, tokenizer, out / label, report)
     return folders
 
 
-def quality_worker(folder: str, text: str, seqlen: int, windows: int, threads: int) -> dict:
+def quality_worker(folder: str, text: str, seqlen: int, windows: int, threads: int, device: str | None = None) -> dict:
     """Windowed perplexity of the packed model and of its dequantized self on the same windows."""
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)
-    packed, tokenizer = load(folder)
+    packed, tokenizer = load(folder, device=device)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=seqlen * windows)
     ours = windowed_ppl(packed, ids, seqlen, windows, progress=False).ppl
     del packed
-    floats, _ = load(folder, packed=False)
+    floats, _ = load(folder, packed=False, device=device)
     theirs = windowed_ppl(floats, ids, seqlen, windows, progress=False).ppl
     return {"ppl_packed": ours, "ppl_dequantized": theirs, "ppl_change": ours / theirs - 1, "tokens": ids.numel()}
 

@@ -212,6 +212,7 @@ def bench_serve(
     check: bool = True,
     out: Path = Path("results/bench_serve"),
     progress=print,
+    device: str | None = None,
 ) -> dict:
     """Measure every (configuration, clients) point; write `bench_serve.md`, `.json` and `.png`."""
     import torch
@@ -223,11 +224,12 @@ def bench_serve(
     from sparsegen.report import markdown_table, plot_lines, run_meta
 
     bandwidth = read_bandwidth_gbs()
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     step_bytes = weight_bytes(model)
     stretches = [text_stretches(tokenizer, text, distinct_prompts, length) for length in prompt_tokens]
     prompts = [by_length[r] for r in range(distinct_prompts) for by_length in stretches]  # lengths alternate
     options = ["--max-kv-mb", str(max_kv_mb), "--max-tokens-limit", str(max_tokens)]
+    options += ["--device", device] if device else []
     rows = []
     for config in configs:
         references: dict[int, str] = {}
@@ -328,17 +330,19 @@ def soak(
     max_kv_mb: int = 512,
     text: str = "shakespeare",
     progress=print,
+    device: str | None = None,
 ) -> dict:
     """`requests` mixed requests from `clients` threads (greedy, cancelled, bad fields, too long,
     chat) against one server: its RSS along the way, rows left at the end, greedy answers checked."""
     from sparsegen.data import text_stretches
     from sparsegen.loading import load
 
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     prompts = [p for length in (24, 96, 200) for p in text_stretches(tokenizer, text, 4, length)]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(config, model_name, port, ["--max-kv-mb", str(max_kv_mb), "--max-tokens-limit", "4096"])
+    options = ["--max-kv-mb", str(max_kv_mb), "--max-tokens-limit", "4096", *(["--device", device] if device else [])]
+    server = start_server(config, model_name, port, options)
     outcomes: list[dict] = []
     rss: list[tuple[int, float]] = []
     lock = threading.Lock()

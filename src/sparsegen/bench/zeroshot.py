@@ -45,6 +45,7 @@ def bench_zeroshot(
     batch_size: int = 8,
     out: Path = Path("results/bench_zeroshot"),
     progress=print,
+    device: str | None = None,
 ) -> dict:
     from lm_eval.models.huggingface import HFLM
 
@@ -69,7 +70,7 @@ def bench_zeroshot(
 
     def pruned_lm(method: str, pattern: str | None):
         nonlocal calibration
-        model, tokenizer = load(model_name)
+        model, tokenizer = load(model_name, device=device)
         if method != "dense":
             if calibration is None:
                 calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
@@ -98,7 +99,7 @@ def bench_zeroshot(
             lambda: HFLM(pretrained=resolve_model_path(model_name), device="cpu", batch_size=batch_size),
         )
     )
-    loaded = load(model_name)
+    loaded = load(model_name, device=device)
     # The full cache is the dense model of the pruning table: its row is reused, not recomputed.
     kv = [{**pruning[0], "method": None, "pattern": None, "policy": "full", "budget": None}] + [
         run(

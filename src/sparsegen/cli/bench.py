@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from sparsegen.cli.common import METHODS, SELECTOR_HELP, ModelOpt, bench_app, err, out, parse_floats
+from sparsegen.cli.common import METHODS, SELECTOR_HELP, DeviceOpt, ModelOpt, bench_app, err, out, parse_floats
 from sparsegen.errors import SparsegenError
 
 
@@ -30,6 +30,7 @@ def bench_serve_command(
     prefill_chunk: int = typer.Option(512, "--prefill-chunk"),
     check: bool = typer.Option(True, "--check/--no-check", help="Compare answers with single-request generate()."),
     out_dir: Path = typer.Option(Path("results/bench_serve"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Real HTTP clients against `sparsegen serve`: tokens/s, time to first token and inter-token
     latency, rows admitted and queued, server RSS, per configuration and number of clients."""
@@ -53,6 +54,7 @@ def bench_serve_command(
         check=check,
         out=out_dir,
         progress=lambda m: err.print(f"[dim]{m}[/]"),
+        device=device,
     )
     out.print((out_dir / "bench_serve.md").read_text())
     out.print(f"wrote {out_dir}/bench_serve.md, .json and two plots")
@@ -67,6 +69,7 @@ def bench_soak_command(
     max_tokens: int = typer.Option(32, "--max-tokens"),
     max_kv_mb: int = typer.Option(512, "--max-kv-mb"),
     out_dir: Path = typer.Option(Path("results/bench_soak"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """A bounded soak of `sparsegen serve`: greedy, cancelled, malformed, too long and chat requests
     from many clients; the server's RSS along the way, rows left at the end, answers checked."""
@@ -75,7 +78,14 @@ def bench_soak_command(
     from sparsegen.report import run_meta
 
     result = soak(
-        model, ServeConfig.parse(config), requests, clients, max_tokens, max_kv_mb, progress=lambda m: err.print(m)
+        model,
+        ServeConfig.parse(config),
+        requests,
+        clients,
+        max_tokens,
+        max_kv_mb,
+        progress=lambda m: err.print(m),
+        device=device,
     )
     write_json(out_dir / "bench_soak.json", {"meta": run_meta(model=model), **result})
     for key, value in result.items():
@@ -93,6 +103,7 @@ def bench_kv_command(
     stream_tokens: str = typer.Option("", "--stream-tokens", help="Also record RSS along streams of these lengths."),
     also: str = typer.Option("", "--also", help="Other policies to time at each cache size, e.g. h2o,window."),
     out_dir: Path = typer.Option(Path("results/bench_kv"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Per-token latency and peak RSS vs cache size: streaming, re-computation, dense."""
     from sparsegen.bench.kv import bench_kv
@@ -107,6 +118,7 @@ def bench_kv_command(
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
         also=tuple(p for p in also.split(",") if p),
+        device=device,
     )
     out.print((out_dir / "bench_kv.md").read_text())
     out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")
@@ -129,6 +141,7 @@ def bench_decode_command(
         None, "--llama-cpp", help="A Python with llama-cpp-python installed: adds llama.cpp on the model's GGUF."
     ),
     out_dir: Path = typer.Option(Path("results/bench_decode"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """The fast decode path vs generate() (fp32, bf16 weights, int8/int4 packed, llama.cpp), and
     streaming vs dense, against the memory-bandwidth bound measured in the same run."""
@@ -145,6 +158,7 @@ def bench_decode_command(
         progress=lambda m: err.print(f"[dim]{m}[/]"),
         quantized=quantized,
         llama_cpp=llama_cpp,
+        device=device,
     )
     out.print((out_dir / "bench_decode.md").read_text())
     out.print(f"wrote {out_dir}/bench_decode.md and .json")
@@ -160,6 +174,7 @@ def bench_throughput_command(
     heavy_share: float = typer.Option(0.1, "--heavy-share", help="h2o heavy (= recent) share of the prompt."),
     max_batch: int = typer.Option(32, "--max-batch", help="Largest batch tried."),
     out_dir: Path = typer.Option(Path("results/bench_throughput"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Throughput in a fixed KV memory: the largest batch dense, h2o and streaming fit, and tokens/s."""
     from sparsegen.bench.decode import bench_throughput
@@ -174,6 +189,7 @@ def bench_throughput_command(
         max_batch,
         out=out_dir,
         progress=lambda m: err.print(f"[dim]{m}[/]"),
+        device=device,
     )
     out.print((out_dir / "bench_throughput.md").read_text())
     out.print(f"wrote {out_dir}/bench_throughput.md and .json")
@@ -187,6 +203,7 @@ def bench_prune_command(
     seqlen: int = typer.Option(512, "--seqlen"),
     sparsities: str = typer.Option("0.5,0.7,0.9", "--sparsities"),
     out_dir: Path = typer.Option(Path("results/bench_prune"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Pruning time per method, and decode speed dense vs CSR per sparsity."""
     from sparsegen.bench.prune import bench_prune
@@ -199,6 +216,7 @@ def bench_prune_command(
         tuple(float(s) for s in sparsities.split(",")),
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        device=device,
     )
     out.print((out_dir / "bench_prune.md").read_text())
 
@@ -212,6 +230,7 @@ def bench_zeroshot_command(
     n_samples: int = typer.Option(32, "--n-samples", help="Calibration samples for pruning."),
     seqlen: int = typer.Option(512, "--seqlen", help="Calibration sample length."),
     out_dir: Path = typer.Option(Path("results/bench_zeroshot"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Zero-shot tables: pruning methods at 50% and 2:4 (Wanda's), KV policies at 20% (H2O's)."""
     from sparsegen.bench.zeroshot import bench_zeroshot
@@ -225,6 +244,7 @@ def bench_zeroshot_command(
         seqlen=seqlen,
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        device=device,
     )
     out.print((out_dir / "bench_zeroshot.md").read_text())
 
@@ -244,6 +264,7 @@ def bench_compress_prompt_command(
     eval_windows: int = typer.Option(16, "--eval-windows"),
     zeroshot_limit: int = typer.Option(60, "--zeroshot-limit", help="Items per zero-shot task (0 = skip zero-shot)."),
     out_dir: Path = typer.Option(Path("results/bench_compress_prompt"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Dense / compressed / compressed + soft prompt: perplexity, bits per weight, zero-shot, transfer."""
     from sparsegen.bench.compress_prompt import bench_compress_prompt
@@ -261,6 +282,7 @@ def bench_compress_prompt_command(
         zeroshot_limit=zeroshot_limit or 0,
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        device=device,
     )
     out.print((out_dir / "bench_compress_prompt.md").read_text())
 
@@ -271,6 +293,7 @@ def bench_gather_command(
     kept: str = typer.Option("1,0.75,0.5,0.25", "--kept", help="Shares of each projection's inputs kept."),
     passes: int = typer.Option(20, "--passes", min=1),
     out_dir: Path = typer.Option(Path("results/bench_gather"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """How fast this machine reads the weight rows of kept inputs (TEAL's gather) against the dense
     product, on the model's own projections: whether contextual sparsity can pay here."""
@@ -280,7 +303,9 @@ def bench_gather_command(
     shares = parse_floats(kept)
     if not all(0 < share <= 1 for share in shares):
         raise SparsegenError(f"--kept takes shares in (0, 1], got {kept!r}")
-    rows = bench_gather(model, tuple(shares), passes, out=out_dir, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
+    rows = bench_gather(
+        model, tuple(shares), passes, out=out_dir, progress=lambda msg: err.print(f"[dim]{msg}[/]"), device=device
+    )
     out.print(markdown_table(rows, COLUMNS))
 
 
@@ -299,6 +324,7 @@ def bench_contextual_command(
         "0", "--head-sparsities", help="Shares of attention heads skipped per token (a head predictor; not with teal)."
     ),
     out_dir: Path = typer.Option(Path("results/bench_contextual"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Decode ms/token of contextual sparsity vs dense, side by side, with the bytes-per-step bound."""
     from sparsegen.bench.contextual import bench_contextual
@@ -314,6 +340,7 @@ def bench_contextual_command(
         head_sparsities=tuple(parse_floats(head_sparsities)),
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        device=device,
     )
     out.print((out_dir / "bench_contextual.md").read_text())
 
@@ -325,6 +352,7 @@ def bench_random_model_command(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (7b in fp32 is 27 GB)."),
     seed: int = typer.Option(0, "--seed"),
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Write a random-weight Llama of a real shape, one block at a time (to measure the from-disk path)."""
     from transformers import AutoTokenizer
@@ -334,6 +362,44 @@ def bench_random_model_command(
     from sparsegen.models import dtype_named
 
     loaded = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
-    folder = write_random_llama(out_dir, shape, loaded, dtype_named(dtype), seed)
+    folder = write_random_llama(out_dir, shape, loaded, dtype_named(dtype), seed, device=device)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
     out.print(f"random llama {shape} ({dtype}, vocabulary {len(loaded)}): {size:.1f} GB -> {folder}")
+
+
+@bench_app.command("gpu")
+def bench_gpu_command(
+    shape: str = typer.Option(
+        "llama3-8b",
+        "--shape",
+        help="Llama-3 shape built with random weights: llama3-8b, llama3.2-1b (tiny: for tests).",
+    ),  # fmt: skip
+    context: int = typer.Option(512, "--context", help="Prompt tokens before the batch-1 decode."),
+    long_context: int = typer.Option(32768, "--long-context", help="Context of streaming and h2o against dense."),
+    new_tokens: int = typer.Option(128, "--new-tokens"),
+    kv_mb: float = typer.Option(16384, "--kv-mb", help="KV memory of the fixed-memory throughput comparison."),
+    prompt: int = typer.Option(1024, "--prompt", help="Prompt tokens per row in that comparison."),
+    sparsities: str = typer.Option("0.25,0.4,0.5", "--sparsities", help="Contextual sparsities."),
+    out_dir: Path = typer.Option(Path("results/bench_gpu"), "--out"),
+    device: str | None = DeviceOpt,
+) -> None:
+    """GPU decode on real shapes (random weights): dense against the probed bandwidth, streaming and h2o at a
+    long context, throughput in fixed KV memory, TEAL and neuron sparsity at batch 1 and 4, 2:4, pruning time."""
+    from sparsegen.bench.gpu import bench_gpu
+    from sparsegen.bench.synthetic import SHAPES
+
+    if shape not in SHAPES:
+        raise SparsegenError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+    bench_gpu(
+        shape,
+        device,
+        context,
+        long_context,
+        new_tokens,
+        kv_mb,
+        prompt,
+        tuple(parse_floats(sparsities)),
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+    )
+    out.print((out_dir / "bench_gpu.md").read_text())

@@ -9,6 +9,7 @@ import typer
 from sparsegen.cli.common import (
     METHODS,
     SELECTOR_HELP,
+    DeviceOpt,
     HeadSparsityOpt,
     ModelOpt,
     contextual_app,
@@ -27,6 +28,7 @@ def contextual_measure_command(
     tokens: int = typer.Option(512, "--tokens", help="Tokens of the text to measure over."),
     tolerance: float = typer.Option(0.1, "--tolerance", help="Relative error of a block's output that is allowed."),
     out_dir: Path = typer.Option(Path("results/contextual_measure"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Does contextual sparsity exist? Neurons and heads each token needs per layer, against a static set."""
     from sparsegen.contextual.existence import measure_existence
@@ -37,7 +39,7 @@ def contextual_measure_command(
 
     if not 0 < tolerance < 1:
         raise SparsegenError(f"--tolerance must be in (0, 1), got {tolerance}")
-    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
+    loaded, tokenizer = load(model, packed=False, device=device)  # changes or trains on float weights
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)[None]
     with err.status(f"measuring {ids.shape[1]} tokens of {text}"):
         rows = measure_existence(loaded, ids, tolerance)
@@ -82,6 +84,7 @@ def contextual_train_command(
     out_dir: Path = typer.Option(
         ..., "--out", help="Folder for contextual.safetensors; in a model folder, sparsegen.load installs it."
     ),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Calibrate a selector per layer on real text (teal needs none) and save it next to a model;
     predictors report their recall per layer on held-out calibration tokens, own input and lookahead."""
@@ -92,7 +95,7 @@ def contextual_train_command(
     from sparsegen.loading import load
     from sparsegen.report import markdown_table
 
-    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
+    loaded, tokenizer = load(model, packed=False, device=device)  # changes or trains on float weights
     calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
     selectors = sparsify(
         loaded, selector, sparsity, calibration, dense_layers=dense_layers, head_sparsity=head_sparsity
@@ -129,6 +132,7 @@ def contextual_eval_command(
     dense_layers: int = typer.Option(0, "--dense-layers"),
     head_sparsity: float = HeadSparsityOpt,
     out_dir: Path = typer.Option(Path("results/contextual_eval"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Perplexity, KL and top-1 agreement against dense, per selector and sparsity (table and plot)."""
     from sparsegen.contextual.quality import quality_curve
@@ -138,7 +142,7 @@ def contextual_eval_command(
     from sparsegen.report import markdown_table, plot_lines
 
     names = registered_names(selectors, METHODS["selectors"], "neuron selector")
-    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
+    loaded, tokenizer = load(model, packed=False, device=device)  # changes or trains on float weights
     calibration = calibration_samples(tokenizer, load_text(calib_text), 8, 256)
     ids = tokenize_long(tokenizer, load_text(text))
     rows = quality_curve(

@@ -9,6 +9,7 @@ import typer
 from sparsegen.cli.common import (
     METHODS,
     POLICY_HELP,
+    DeviceOpt,
     FromDiskOpt,
     ModelOpt,
     PositionOpt,
@@ -31,6 +32,7 @@ def prune_quality_command(
     eval_seqlen: int = typer.Option(2048, "--eval-seqlen"),
     max_windows: int = typer.Option(8, "--max-windows"),
     out_dir: Path = typer.Option(Path("results/prune_quality"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Perplexity and pruning time per method and pattern (50%, 4:8, 2:4; OWL at 70%)."""
     from sparsegen.eval.prune_quality import prune_quality
@@ -45,6 +47,7 @@ def prune_quality_command(
         max_windows,
         out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
+        device=device,
     )
     out.print((out_dir / "prune_quality.md").read_text())
 
@@ -59,6 +62,7 @@ def eval_ppl(
     ),
     from_disk: bool | None = FromDiskOpt,
     json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Windowed perplexity: non-overlapping windows of SEQLEN, remainder dropped, exp(mean NLL)."""
     from sparsegen.data import load_text, tokenize_long
@@ -72,7 +76,7 @@ def eval_ppl(
         loaded, tokenizer, checkpoint = open_lazy(model)
         blocks = DiskBlocks(loaded, checkpoint)
     else:
-        loaded, tokenizer = load(model)
+        loaded, tokenizer = load(model, device=device)
     ids = tokenize_long(tokenizer, load_text(text))
     result = windowed_ppl(loaded, ids, seqlen, max_windows or None, blocks=blocks)
     summary = {"model": model, "text": text, **result.summary()}
@@ -92,6 +96,7 @@ def eval_needle(
     chunk: int | None = typer.Option(None, "--chunk", help="Read the context in pieces [default: one forward]."),
     filler: str = typer.Option("shakespeare", "--filler", help="Embedded text name or a .txt file."),
     out_dir: Path = typer.Option(Path("results/needle"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Passkey retrieval per policy, budget and depth, asked after the context was compressed (heat map)."""
     from sparsegen.data import load_text
@@ -101,7 +106,7 @@ def eval_needle(
 
     names = registered_names(policies, METHODS["policies"], "KV policy")
     depth_list = [float(d) for d in depths.split(",")]
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, device=device)
     rows = needle_job(
         loaded,
         tokenizer,
@@ -140,6 +145,7 @@ def eval_zeroshot(
     limit: int | None = typer.Option(None, "--limit", help="First N items of each task."),
     batch_size: int = typer.Option(8, "--batch-size", help="Requests per forward (without a KV policy)."),
     out_dir: Path = typer.Option(Path("results/zeroshot"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Zero-shot accuracy with lm-eval's prompts and metrics on offline task data (resumable)."""
     from sparsegen.eval.harness import SparsegenLM
@@ -159,6 +165,7 @@ def eval_zeroshot(
         position=position,
         chunk=chunk,
         batch_size=batch_size,
+        device=device,
     )
     summary = zeroshot_job(
         lm, names, out_dir, limit, label={"model": model}, progress=lambda msg: err.print(f"[dim]{msg}[/]")

@@ -11,6 +11,7 @@ from sparsegen.cli.common import (
     METHODS,
     POLICY_HELP,
     BudgetOpt,
+    DeviceOpt,
     HeavyOpt,
     ModelOpt,
     PolicyOpt,
@@ -25,7 +26,10 @@ from sparsegen.cli.common import (
 
 
 @app.command()
-def info(model: str = ModelOpt) -> None:
+def info(
+    model: str = ModelOpt,
+    device: str | None = DeviceOpt,
+) -> None:
     """Show the model, the cache folder and versions."""
     import torch
     import transformers
@@ -35,7 +39,7 @@ def info(model: str = ModelOpt) -> None:
     from sparsegen.kv import POLICIES
     from sparsegen.loading import load
 
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, device=device)
     config = loaded.config
     out.print(f"sparsegen {__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
     out.print(f"cache folder: {cache_dir()}")
@@ -62,13 +66,16 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens with this mass."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
-    dtype: str = typer.Option("fp32", "--dtype", help="Weights: fp32 or bf16."),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="Weights: fp32, bf16 or fp16 (default: bf16 on a GPU, fp32 on a CPU)."
+    ),
     compile: str = typer.Option(
         "auto", "--compile", help="auto (when the generation pays for it), always, or never: the decode step."
     ),
     prompt_file: Path | None = typer.Option(
         None, "--prompt-file", help="A soft prompt folder (peft format, from `sparsegen prompt train`) to put first."
     ),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Generate from PROMPT on the fast decode path, streaming tokens to stdout as they are made."""
     from transformers import TextStreamer
@@ -76,7 +83,7 @@ def generate(
     from sparsegen.loading import load
     from sparsegen.models import dtype_named
 
-    loaded, tokenizer = load(model, dtype=dtype_named(dtype, "--dtype"))
+    loaded, tokenizer = load(model, dtype=dtype_named(dtype, "--dtype") if dtype else None, device=device)
     if chat:
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -131,6 +138,7 @@ def stream(
     tokens: int = typer.Option(20000, "--tokens", help="Stream length in tokens."),
     chunk: int = typer.Option(256, "--chunk", help="Tokens fed per step (1 = exact token-by-token)."),
     out_dir: Path = typer.Option(Path("results/stream"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """The main job: KV policies on one long stream past the model's window (table, plot, JSON)."""
     from sparsegen.eval.main_job import STREAM_COLUMNS, stream_job
@@ -139,7 +147,9 @@ def stream(
     if budget is None and sinks is None and recent is None and heavy is None:
         budget = 1024
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    results = stream_job(model, text, names, tokens, chunk, out_dir, budget, sinks, recent, heavy, position)
+    results = stream_job(
+        model, text, names, tokens, chunk, out_dir, budget, sinks, recent, heavy, position, device=device
+    )
     import json
 
     rows = json.loads((out_dir / "results.json").read_text())
@@ -159,6 +169,7 @@ def chat(
     mtbench: int = typer.Option(0, "--mtbench", help="Ask the first N MT-Bench turns instead of reading stdin."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     transcript: Path | None = typer.Option(None, "--transcript", help="JSONL transcript [default: results/chat/]."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Multi-round streaming chat with a bounded cache: MT-Bench turns, or your lines on stdin."""
     import json
@@ -169,7 +180,7 @@ def chat(
     from sparsegen.kv.chat import StreamingChat
     from sparsegen.loading import load
 
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, device=device)
     session = StreamingChat(
         loaded,
         tokenizer,
@@ -228,6 +239,7 @@ def serve(
         512, "--prefill-chunk", help="Prompt tokens read between decode steps (bounds other clients' stall)."
     ),
     max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """OpenAI-compatible server (chat and completions, streaming) that batches every request into one
     decode step, with a bounded KV cache per conversation (kv_policy / kv_budget per request)."""
@@ -244,6 +256,7 @@ def serve(
         max_tokens_limit=max_tokens_limit,
         prefill_chunk=prefill_chunk,
         max_queue=max_queue,
+        device=device,
     )
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
     uvicorn.run(application, host=host, port=port, log_level="warning")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from sparsegen.cli.common import ModelOpt, out, prompt_app
+from sparsegen.cli.common import DeviceOpt, ModelOpt, out, prompt_app
 
 
 @prompt_app.command("train")
@@ -25,16 +25,17 @@ def prompt_train_command(
     teacher: str | None = typer.Option(None, "--teacher", help="The dense model to distil from."),
     seed: int = typer.Option(0, "--seed"),
     out_dir: Path = typer.Option(..., "--out", help="Prompt folder (peft format); the same command resumes it."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Learn a soft prompt for a (compressed) model; progress bar, loss curve, resumable."""
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.loading import load
     from sparsegen.prompt import PromptTraining, train_prompt
 
-    loaded, tokenizer = load(model, packed=False)  # changes or trains on float weights
+    loaded, tokenizer = load(model, packed=False, device=device)  # changes or trains on float weights
     samples = calibration_samples(tokenizer, load_text(text), n_samples, seqlen, seed)
     settings = PromptTraining(tokens=tokens, steps=steps, lr=lr, batch=batch, distill=distill, seed=seed)
-    teacher_model = load(teacher)[0] if teacher else None
+    teacher_model = load(teacher, device=device)[0] if teacher else None
     _, report = train_prompt(loaded, samples, out_dir, settings, teacher=teacher_model, base_model=model)
     tail = report.losses[-min(20, len(report.losses)) :]
     out.print(
@@ -51,6 +52,7 @@ def prompt_eval_command(
     seqlen: int = typer.Option(1024, "--seqlen"),
     max_windows: int | None = typer.Option(16, "--max-windows"),
     json_out: Path | None = typer.Option(None, "--json"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Windowed perplexity of MODEL on TEXT without and with the soft prompt."""
     from sparsegen.data import load_text, tokenize_long
@@ -59,7 +61,7 @@ def prompt_eval_command(
     from sparsegen.loading import load
     from sparsegen.prompt import SoftPrompt
 
-    loaded, tokenizer = load(model)
+    loaded, tokenizer = load(model, device=device)
     soft = SoftPrompt.load(prompt_file, loaded)
     ids = tokenize_long(tokenizer, load_text(text))
     plain = prompted_ppl(loaded, None, ids, seqlen, max_windows)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from sparsegen.cli.common import app, err, out
+from sparsegen.cli.common import DeviceOpt, app, err, out
 from sparsegen.errors import SparsegenError
 
 
@@ -15,6 +15,7 @@ def sweep_command(
     grid_file: Path = typer.Argument(..., help="YAML grid: model, calibration, prune/quantize/kv axes, evaluations."),
     out_dir: Path = typer.Option(Path("results/sweep"), "--out", help="Cells, table and plot go here."),
     address: str | None = typer.Option(None, "--address", help="A Ray cluster to join (default: a local Ray)."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Every cell of GRID_FILE as a Ray task; finished cells are kept, so a rerun resumes."""
     import yaml
@@ -31,7 +32,7 @@ def sweep_command(
         raise SparsegenError(f"{grid_file} is not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(grid, dict) or "model" not in grid:
         raise SparsegenError(f"{grid_file} must be a mapping with at least `model:` and `evaluations:`")
-    rows = sweep(grid, out_dir, address, progress=lambda message: err.print(f"[dim]{message}[/]"))
+    rows = sweep(grid, out_dir, address, progress=lambda message: err.print(f"[dim]{message}[/]"), device=device)
     settings = ("prune", "quantize", "kv", "evaluation", "cell")
     metrics = sorted({key for row in rows for key in row if key not in settings})
     columns = [(key, key) for key in settings[:-1]] + [(m, m) for m in metrics]

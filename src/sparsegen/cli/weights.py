@@ -7,13 +7,14 @@ from pathlib import Path
 
 import typer
 
-from sparsegen.cli.common import METHODS, FromDiskOpt, ModelOpt, app, err, out, reads_from_disk
+from sparsegen.cli.common import METHODS, DeviceOpt, FromDiskOpt, ModelOpt, app, err, out, reads_from_disk
 from sparsegen.errors import SparsegenError
 
 
-def _load_to_rewrite(registry, from_disk, out_dir, job):
+def _load_to_rewrite(registry, from_disk, out_dir, job, device):
     """The model with float weights (packed layers decoded), its tokenizer, calibration ids when
-    the method needs them, and where its blocks live: in memory, or streamed from disk to `out_dir`."""
+    the method needs them, and where its blocks live: in memory on `device` (calibrated there), or
+    streamed from disk to `out_dir`."""
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.distributed import init_from_env
     from sparsegen.layerwise import IN_MEMORY
@@ -31,7 +32,7 @@ def _load_to_rewrite(registry, from_disk, out_dir, job):
         if blocks.finished:
             err.print(f"resuming: {len(blocks.finished)} of {blocks.count} blocks were written by an earlier run")
     else:
-        (loaded, tokenizer), blocks = load(job["model"], packed=False), IN_MEMORY
+        (loaded, tokenizer), blocks = load(job["model"], packed=False, device=device), IN_MEMORY
     calibration = None
     if job["calibration"]:
         text = load_text(job["calib_text"])
@@ -55,6 +56,7 @@ def prune_command(
     compressed: bool = typer.Option(False, "--compressed", help="Store bitmask-compressed weights (smaller)."),
     from_disk: bool | None = FromDiskOpt,
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Prune a model layer by layer and write a checkpoint that transformers loads."""
     from sparsegen.distributed import is_writer, leave
@@ -68,7 +70,7 @@ def prune_command(
     job |= dict(calibration=needs_calibration, calib_text=calib_text, n_samples=n_samples, seqlen=seqlen, seed=seed)
     if compressed and from_disk:
         raise SparsegenError("--compressed stores the whole model in one file; drop it with --from-disk")
-    loaded, tokenizer, calibration, blocks = _load_to_rewrite(PRUNERS, from_disk, out_dir, job)
+    loaded, tokenizer, calibration, blocks = _load_to_rewrite(PRUNERS, from_disk, out_dir, job, device)
     writer = is_writer()
     report = prune(loaded, method, sparsity, pattern, calibration, owl, progress=writer, blocks=blocks)
     quantized = getattr(loaded.config, "sparsegen_quantization", None)
@@ -111,6 +113,7 @@ def quantize_command(
     seed: int = typer.Option(0, "--seed"),
     from_disk: bool | None = FromDiskOpt,
     out_dir: Path = typer.Option(..., "--out", help="Checkpoint folder to write (compressed-tensors layout)."),
+    device: str | None = DeviceOpt,
 ) -> None:
     """Quantize the decoder Linear weights (weight-only, per group), keeping pruned zeros zero."""
     from sparsegen.distributed import is_writer, leave
@@ -122,7 +125,7 @@ def quantize_command(
     needs_calibration = method in QUANTIZERS and QUANTIZERS[method].needs_calibration
     job = dict(command="quantize", model=model, method=method, bits=bits, group_size=group_size, symmetric=symmetric)
     job |= dict(calibration=needs_calibration, calib_text=calib_text, n_samples=n_samples, seqlen=seqlen, seed=seed)
-    loaded, tokenizer, calibration, blocks = _load_to_rewrite(QUANTIZERS, from_disk, out_dir, job)
+    loaded, tokenizer, calibration, blocks = _load_to_rewrite(QUANTIZERS, from_disk, out_dir, job, device)
     writer = is_writer()
     report = quantize(
         loaded, method, bits, group_size, symmetric, calibration=calibration, progress=writer, blocks=blocks

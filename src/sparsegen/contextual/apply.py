@@ -22,7 +22,7 @@ from sparsegen.contextual.mlp import SparseMLP
 from sparsegen.contextual.parts import mlp_activations, mlp_parts
 from sparsegen.contextual.selector import LayerStats, Selector, checked_sparsity, make_selector
 from sparsegen.errors import SparsegenError
-from sparsegen.models import decoder_layers
+from sparsegen.models import decoder_layers, model_device
 from sparsegen.registry import settings_of
 
 SELECTORS_FILE = "contextual.safetensors"
@@ -345,7 +345,7 @@ def load_selectors(model: nn.Module, folder: str | Path) -> list[Selector | None
     try:
         with safe_open(str(path), "pt") as handle:
             meta = handle.metadata()
-        tensors = load_file(str(path))
+        tensors = load_file(str(path), device=str(model_device(model)))
     except SafetensorError as exc:
         raise SparsegenError(f"{path} is truncated or corrupt ({exc}); train the selectors again") from None
     saved, here = json.loads(meta["shape"]), _shape(model)

@@ -6,7 +6,8 @@ selector needs the whole gate) are gathered for the kept neurons, and down is st
 weighted by h, reading no other memory. With several rows, their kept sets are united (Deja Vu's
 batching). Longer inputs (prefill, teacher-forced evaluation) take the masked path: the dense MLP
 with each token's unkept neurons zeroed, which is what the gathered path computes token by token.
-A static selector's rows are gathered once, at construction: a smaller dense MLP.
+A static selector's rows are gathered once, at construction: a smaller dense MLP. On a GPU the
+gathers are Triton kernels (`sparsegen.gather_kernels`) that read only the kept rows.
 """
 
 from __future__ import annotations
@@ -72,11 +73,14 @@ class SparseMLP(nn.Module):
     def _paired_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """h of the kept neurons [rows, k], reading only their gate and up rows."""
         weights = F.embedding(index, self.paired).view(-1, rows.shape[-1])  # [k * (2 or 1), hidden_size]
-        out = (weights @ rows.t()).t()
+        return self._activate_pairs((weights @ rows.t()).t(), index)
+
+    def _activate_pairs(self, out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """h of the kept neurons from their gate and up outputs side by side [rows, k * (2 or 1)]."""
         if self.gate is None:
             up = out + self.up.bias[index] if self.up.bias is not None else out
             return self.act(up)
-        gate, up = out.view(rows.shape[0], -1, 2).unbind(-1)
+        gate, up = out.view(out.shape[0], -1, 2).unbind(-1)
         if self.gate.bias is not None:
             gate = gate + self.gate.bias[index]
         if self.up.bias is not None:
@@ -91,6 +95,8 @@ class SparseMLP(nn.Module):
         index = keep.nonzero().squeeze(1)
         if index.numel() == self.neurons:
             return self.parts.down(self._activated(self.up(rows), self.gate(rows) if self.gate is not None else None))
+        if rows.is_cuda:
+            return self._gathered_on_gpu(rows, index, gate_act)
         if gate_act is not None:  # the gate is known: gather only up's rows
             up = _selected_rows(self.up, rows, index)
             hidden = gate_act[:, index] * up if self.gate is not None else gate_act[:, index]
@@ -100,6 +106,23 @@ class SparseMLP(nn.Module):
             out = F.embedding_bag(index[None], self.down_t, per_sample_weights=hidden[0][None], mode="sum")
         else:
             out = hidden @ self.down_t.index_select(0, index)
+        return out + self.down_bias if self.down_bias is not None else out
+
+    def _gathered_on_gpu(self, rows: torch.Tensor, index: torch.Tensor, gate_act: torch.Tensor | None):
+        """The gathered path as two Triton kernels: the kept neurons' gate and up rows (or up's
+        alone, the gate being known), then their rows of the transposed down projection."""
+        from sparsegen.gather_kernels import gathered_product, product_of_rows  # triton: only on a GPU
+
+        if gate_act is not None:
+            up = product_of_rows(rows, self.up.weight, index)
+            up = up + self.up.bias[index] if self.up.bias is not None else up
+            hidden = gate_act[:, index] * up if self.gate is not None else gate_act[:, index]
+        else:
+            pairs = 1 if self.gate is None else 2
+            paired_index = (index[:, None] * pairs + torch.arange(pairs, device=index.device)).flatten()
+            out = product_of_rows(rows, self.paired.view(-1, rows.shape[-1]), paired_index)
+            hidden = self._activate_pairs(out, index)
+        out = gathered_product(hidden, self.down_t, index, compact=True)
         return out + self.down_bias if self.down_bias is not None else out
 
 

@@ -48,8 +48,9 @@ def fit_low_rank(
     split = max(1, int(0.9 * len(inputs)))
     generator = torch.Generator().manual_seed(seed)
     width, outputs = inputs.shape[1], labels.shape[1]
-    down = (torch.randn(width, rank, generator=generator) / width**0.5).requires_grad_()
-    up = (torch.randn(rank, outputs, generator=generator) / rank**0.5).requires_grad_()
+    # drawn on the CPU, so that a seed starts the same predictor on every device
+    down = (torch.randn(width, rank, generator=generator) / width**0.5).to(inputs.device).requires_grad_()
+    up = (torch.randn(rank, outputs, generator=generator) / rank**0.5).to(inputs.device).requires_grad_()
     optimizer = torch.optim.Adam([down, up], lr=lr)
     positive = labels[:split].mean()
     weight = (1 - positive) / positive  # rare positives weigh as much as the many negatives

@@ -9,6 +9,7 @@ evicts in those buffers, so every architecture the policy cache supports runs he
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -24,6 +25,7 @@ from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.stream import read
+from sparsegen.models import model_device
 
 COMPILE_MODES = ("auto", "always", "never")
 COMPILE_AFTER = 64  # eager steps before "auto" considers compiling
@@ -47,9 +49,11 @@ class Decoder:
     `COMPILE_AFTER` steps with at least `COMPILE_PAYS_AFTER` still to come (a short answer never
     waits for a compile), "always", or "never". Compiled code is cached on disk between runs.
     Prompts are read `prefill_chunk` tokens per forward (None: one forward), the policy evicting
-    between chunks. Keys and values are stored in `kv_dtype`: fp32 by default, also under bf16
-    weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
-    (measured slower); bf16 halves the cache where memory, not time, is short.
+    between chunks. Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
+    bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
+    (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
+    dtype on a GPU. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
+    and the CPU's few-row product is not used.
     """
 
     def __init__(
@@ -58,7 +62,7 @@ class Decoder:
         policy: str | Policy = "full",
         position: str | None = None,
         compile: str = "auto",
-        kv_dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
         notify: Callable[[str], None] = _say_to_stderr,
         prefill_chunk: int | None = None,
         **budget: int | float,
@@ -68,10 +72,12 @@ class Decoder:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise SparsegenError(f"prefill_chunk must be >= 1 (or None for one forward), got {prefill_chunk}")
         self.model = model
+        self.device = model_device(model)
         self.policy = make_policy(policy, **budget)
         self.position = position
         self.compile = compile
-        self.kv_dtype = kv_dtype
+        on_cpu = self.device.type == "cpu"
+        self.kv_dtype = kv_dtype or (torch.float32 if on_cpu else next(model.parameters()).dtype)
         self.notify = notify
         self.prefill_chunk = prefill_chunk
         self.state: StaticKV | None = None
@@ -108,7 +114,7 @@ class Decoder:
         caches, logits = [], [None] * len(prompts)
         for rows in groups:
             cache = held[rows[0]] or self.new_cache(len(prompts[rows[0]]))
-            ids = torch.tensor([prompts[i] for i in rows], device=_device(self.model))
+            ids = torch.tensor([prompts[i] for i in rows], device=self.device)
             last = read(self.model, ids, cache, self.prefill_chunk)
             caches.append((rows, cache))
             for row, row_logits in zip(rows, last, strict=True):
@@ -121,7 +127,8 @@ class Decoder:
         for index in range(len(caches[0].layers)):
             parts = [slots_of(cache.layers[index]) for cache in caches]
             layers.append(stack(parts, capacity_for(parts, max_new_tokens), self.kv_dtype))
-        seen = torch.tensor([cache.get_seq_length() for cache in caches for _ in range(_rows(cache))])
+        counts = [cache.get_seq_length() for cache in caches for _ in range(_rows(cache))]
+        seen = torch.tensor(counts, device=layers[0].keys.device)
         joining = StaticKV(layers, seen)
         if self.state is None or not self.rows:
             self.state = joining
@@ -161,8 +168,8 @@ class Decoder:
         order = [row for rows, _ in caches for row in rows]
         self.state.select(torch.tensor(order).argsort())  # stacked rows are grouped by length: undo that
         if self.compile == "auto" and self.mode != "compiled":
-            if not _has_compiler():
-                self.notify("decoding eagerly: no C++ compiler found for torch.compile")
+            if not self._has_compiler():
+                self.notify(f"decoding eagerly: {self._compiler_needed()} found for torch.compile")
                 self.compile = "never"
             elif max_new_tokens < COMPILE_AFTER + COMPILE_PAYS_AFTER:
                 self.notify(f"decoding eagerly: {max_new_tokens} new tokens do not pay for compiling the step")
@@ -177,14 +184,26 @@ class Decoder:
             return True
         return self._steps >= COMPILE_AFTER and self._remaining - self._steps >= COMPILE_PAYS_AFTER
 
+    def _compiler_needed(self) -> str:
+        return "no C++ compiler" if self.device.type == "cpu" else "no triton"
+
+    def _has_compiler(self) -> bool:
+        if self.device.type == "cpu":
+            return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+        return importlib.util.find_spec("triton") is not None
+
     def _switch_to_compiled(self) -> None:
-        if not _has_compiler():
-            self.notify("decoding eagerly: no C++ compiler found for torch.compile")
+        if not self._has_compiler():
+            self.notify(f"decoding eagerly: {self._compiler_needed()} found for torch.compile")
             self.compile = "never"
             return
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
-        self.patched = use_gemv(self.model)  # kept while the compiled step lives; `release()` undoes it
-        self._step, self.mode = torch.compile(self._eager, dynamic=False), "compiled"
+        if self.device.type == "cpu":
+            self.patched = use_gemv(self.model)  # kept while the compiled step lives; `release()` undoes it
+            self._step = torch.compile(self._eager, dynamic=False)
+        else:  # replayed as a CUDA graph over slots marked static (recorded again when rows change)
+            self._step = torch.compile(self._eager, dynamic=False, mode="reduce-overhead")
+        self.mode = "compiled"
 
     def release(self) -> None:
         """Give the model back as it was given: compiling replaced its Linear layers' `forward`
@@ -202,8 +221,12 @@ class Decoder:
         self.state.seen += 1
         self._steps += 1
         if self.mode != "compiled":
+            if self.device.type != "cpu":
+                return self._step(tokens, self.state)
             with few_row_linears(self.model):
                 return self._step(tokens, self.state)
+        if self.device.type == "cuda":
+            self.state.mark_static()
         if self.compile_s:
             return self._step(tokens, self.state)
         started = time.perf_counter()
@@ -239,14 +262,6 @@ class DecodeStep(torch.nn.Module):
 
 def _rows(cache: PolicyCache) -> int:
     return next(layer.keys.shape[0] for layer in cache.layers if layer.is_initialized)
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _has_compiler() -> bool:
-    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
 
 
 def _inductor_cache():

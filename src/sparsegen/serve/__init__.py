@@ -19,6 +19,7 @@ def build_app(
     max_tokens_limit: int = 4096,
     prefill_chunk: int = 512,
     max_queue: int = 64,
+    device: str | None = None,
 ) -> FastAPI:
     """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
 
@@ -28,7 +29,7 @@ def build_app(
     """
     from sparsegen.loading import load
 
-    network, tokenizer = load(model) if isinstance(model, str) else model
+    network, tokenizer = load(model, device=device) if isinstance(model, str) else model
     engine = Engine(
         network, tokenizer, policy, budget, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk, max_queue=max_queue
     )

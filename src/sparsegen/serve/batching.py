@@ -247,7 +247,7 @@ class Engine:
     def _begin(self, job: Job) -> None:
         """Claim the held conversation this chat continues (reading only the new ids), or a new cache."""
         if job.seed is not None:
-            job.generator = torch.Generator(device=self.device).manual_seed(job.seed)
+            job.generator = torch.Generator().manual_seed(job.seed)  # CPU: the sampler draws there
         held = self._matching_conversation(job)
         if held is not None and self._lane_key(job.kv_policy) == self._lane_key(held.cache.policy):
             with self._lock:

@@ -1,0 +1,85 @@
+"""On a CUDA GPU: the fast path equals transformers' generate() for every policy (eager and as a
+replayed CUDA graph), contextual sparsity runs its Triton kernels, and pruned and quantized
+checkpoints made on the GPU load and generate there."""
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen.contextual import sparsify
+from sparsegen.decode import generate
+from sparsegen.kv import make_cache
+from sparsegen.prune import prune
+from sparsegen.prune.checkpoint import save_pruned
+from sparsegen.quant import quantize
+from sparsegen.quant.checkpoint import save_quantized
+from tests.conftest import build_tiny, tiny_tokenizer
+from tests.kv_reference import TABLE
+
+CUDA = torch.device("cuda")
+
+
+def _prompt(length: int = 21, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed)).to(CUDA)
+
+
+def _reference(model, ids, policy, budget, new):
+    cache = make_cache(model, policy, **budget)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("compile", ["never", "always"])
+@pytest.mark.parametrize("policy", list(TABLE))
+def test_fast_path_equals_generate_on_cuda(policy, compile):
+    model = build_tiny("llama").to(CUDA)  # fp32: the same arithmetic in both engines, token for token
+    ids = _prompt()
+    budget = TABLE[policy].small
+    out = generate(model, ids, 24, policy=policy, compile=compile, **budget)
+    assert out.tokens[0] == _reference(model, ids, policy, budget, 24)
+    assert out.mode == ("compiled" if compile == "always" else "eager")
+
+
+def test_bf16_decoding_keeps_its_cache_in_bf16_and_agrees_with_generate():
+    model = build_tiny("llama").to(CUDA, torch.bfloat16)
+    ids = _prompt()
+    out = generate(model, ids, 16, policy="h2o", compile="never", heavy=6, recent=6)
+    assert out.tokens[0][:4] == _reference(model, ids, "h2o", {"heavy": 6, "recent": 6}, 16)[:4]
+
+
+@pytest.mark.parametrize("selector", ["teal", "threshold", "predictor"])
+def test_contextual_sparsity_with_everything_kept_generates_the_dense_tokens_on_cuda(selector):
+    model = build_tiny("llama").to(CUDA)
+    ids = _prompt(10)
+    dense = model.generate(ids, max_new_tokens=12, do_sample=False)
+    calibration = torch.randint(3, 96, (4, 24), device=CUDA)
+    sparsify(model, selector, 0.0, calibration=calibration, progress=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), dense)
+
+
+@pytest.mark.parametrize("selector", ["teal", "threshold"])
+def test_contextual_sparsity_decodes_through_the_triton_kernels_on_cuda(selector):
+    model = build_tiny("llama").to(CUDA)
+    sparsify(model, selector, 0.5, calibration=torch.randint(3, 96, (4, 24), device=CUDA), progress=False)
+    batch = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21], [30, 31, 32]]
+    rows = generate(model, batch, 8, compile="never", eos_token_id=[]).tokens
+    singles = [generate(model, [prompt], 8, compile="never", eos_token_id=[]).tokens[0] for prompt in batch]
+    assert len(rows) == 4 and all(len(row) == 8 for row in rows)
+    if selector == "teal":  # each row reads its own kept inputs: a batch row is its single run
+        assert rows == singles
+
+
+def test_pruned_and_quantized_checkpoints_made_on_cuda_load_and_generate(tmp_path):
+    calibration = torch.randint(3, 96, (4, 32), device=CUDA)
+    ids = _prompt(8)
+    model = build_tiny("llama").to(CUDA)
+    report = prune(model, "sparsegpt", pattern="2:4", calibration=calibration, progress=False)
+    pruned = save_pruned(model, tiny_tokenizer(), tmp_path / "pruned", report, compressed=True)
+    model = build_tiny("llama").to(CUDA)
+    report = quantize(model, "gptq", 4, 32, True, calibration=calibration, progress=False)
+    quantized = save_quantized(model, tiny_tokenizer(), tmp_path / "quantized", report)
+    for folder in (pruned, quantized):
+        loaded, _ = sparsegen.load(str(folder), device="cuda", dtype=torch.float32)
+        assert next(loaded.parameters()).is_cuda
+        tokens = generate(loaded, ids, 8, compile="never", eos_token_id=[]).tokens[0]
+        assert len(tokens) == 8
