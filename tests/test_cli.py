@@ -291,8 +291,10 @@ def test_bench_gpu_runs_every_measurement_on_a_tiny_shape_here(monkeypatch, caps
     """The GPU benchmark's code, run on this machine's device with a tiny random Llama (eager)."""
     from sparsegen.bench.gpu import bench_gpu
 
-    rows = bench_gpu("tiny", None, context=16, long_context=64, new_tokens=6, kv_mb=0.25, prompt=30,
-                     sparsities=(0.5,), calibration=(2, 16), compile="never", out=tmp_path, progress=lambda m: None)  # fmt: skip
+    sizes = dict(
+        context=16, long_context=64, new_tokens=6, kv_mb=0.25, prompt=30, sparsities=(0.5,), calibration=(2, 16)
+    )
+    rows = bench_gpu("tiny", None, **sizes, compile="never", out=tmp_path, progress=lambda m: None)
     whats = [row["what"] for row in rows]
     for what in ("dense decode", "long context", "fixed KV memory", "contextual", "2:4 matmul", "pruning"):
         assert what in whats
