@@ -6,6 +6,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import sparsegen
+import sparsegen.loading
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import windowed_ppl
 from sparsegen.layerwise import block_linears
@@ -194,6 +195,16 @@ def test_windowed_ppl_matches_manual_windows():
             for w in range(3)
         ]
     assert result.nll == pytest.approx(torch.stack(nll).mean().item(), rel=1e-5)
+
+
+def test_a_sparse_form_is_chosen_by_pattern_and_device():
+    from sparsegen.prune.accelerate import CSRLinear, is_two_four, sparse_form
+
+    model = build_tiny("llama")
+    prune(model, "magnitude", pattern="2:4", progress=False)
+    linear = decoder_layers(model)[0].mlp.up_proj
+    assert is_two_four(linear.weight) and not is_two_four(torch.ones(4, 8))
+    assert isinstance(sparse_form(linear), CSRLinear)  # semi-structured needs a GPU: CSR here, measured
 
 
 def test_accelerate_swaps_only_where_faster_and_keeps_outputs():

@@ -83,3 +83,27 @@ def test_pruned_and_quantized_checkpoints_made_on_cuda_load_and_generate(tmp_pat
         assert next(loaded.parameters()).is_cuda
         tokens = generate(loaded, ids, 8, compile="never", eos_token_id=[]).tokens[0]
         assert len(tokens) == 8
+
+
+def test_a_two_four_checkpoint_runs_semi_structured_where_faster_on_cuda(tmp_path, capfd):
+    from sparsegen.prune.accelerate import SemiStructuredLinear
+
+    model = build_tiny("llama")
+    for layer in model.model.layers:  # shapes semi-structured kernels take (multiples of 64 and 128)
+        for name in ("gate_proj", "up_proj"):
+            setattr(layer.mlp, name, torch.nn.Linear(64, 128, bias=False))
+        layer.mlp.down_proj = torch.nn.Linear(128, 64, bias=False)
+    model.config.intermediate_size = 128
+    report = prune(model, "magnitude", pattern="2:4", progress=False)
+    folder = save_pruned(model, tiny_tokenizer(), tmp_path / "pruned", report)
+    dense, _ = sparsegen.load(str(folder), device="cpu", dtype=torch.bfloat16)
+    loaded, _ = sparsegen.load(str(folder), device="cuda")  # bf16
+    said = capfd.readouterr().err
+    assert "2:4 checkpoint:" in said and "run semi-structured" in said
+    ids = _prompt(8)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(ids).logits.cpu().float(), dense(ids.cpu()).logits.float(), rtol=0.05, atol=0.05
+        )
+    semi = sum(isinstance(m, SemiStructuredLinear) for m in loaded.modules())
+    print(f"{semi} layers semi-structured")  # the measured choice, for the log
