@@ -197,6 +197,18 @@ def test_windowed_ppl_matches_manual_windows():
     assert result.nll == pytest.approx(torch.stack(nll).mean().item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_blocks_moved_to_a_device_one_at_a_time_prune_as_in_memory(method):
+    from sparsegen.layerwise import OnDevice
+
+    here, moved = build_tiny("llama"), build_tiny("llama")
+    prune(here, method, 0.5, calibration=_calibration(), progress=False)
+    report = prune(moved, method, 0.5, calibration=_calibration(), progress=False, blocks=OnDevice("cpu"))
+    assert report.overall == pytest.approx(0.5, abs=0.01)
+    for a, b in zip(here.parameters(), moved.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_sparse_form_is_chosen_by_pattern_and_device():
     from sparsegen.prune.accelerate import CSRLinear, is_two_four, sparse_form
 

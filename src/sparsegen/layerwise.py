@@ -113,7 +113,7 @@ class Hidden:
             self._tensors.append(tensor)
             return
         path = os.path.join(self._folder, f"{len(self._files)}.bin")
-        tensor.detach().contiguous().view(torch.uint8).numpy().tofile(path)
+        tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tofile(path)
         self._files.append((path, tensor.shape, tensor.dtype))
 
     def __len__(self) -> int:
@@ -153,9 +153,11 @@ class Codec:
 
 class Blocks:
     """Where block weights live while the blocks run: in the model, always (the default). A
-    subclass may fill a block before it runs and take its weights away after (`scale.disk`)."""
+    subclass may fill a block before it runs and take its weights away after (`scale.disk`), or
+    move it to the device it runs on (`OnDevice`)."""
 
     writes = False  # whether rewritten blocks are written out as they finish (then `finish` the output)
+    device: torch.device | None = None  # where blocks run, when not where the model is
 
     @contextlib.contextmanager
     def held(self, index: int, block: nn.Module, codec: Codec | None = None) -> Iterator[bool]:
@@ -165,6 +167,29 @@ class Blocks:
 
 
 IN_MEMORY = Blocks()
+
+
+class OnDevice(Blocks):
+    """Blocks kept where the model is (CPU RAM) and run on `device` one at a time, as SparseGPT's
+    reference does: a model larger than the GPU's memory is calibrated and rewritten on the GPU."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+
+    @contextlib.contextmanager
+    def held(self, index: int, block: nn.Module, codec: Codec | None = None) -> Iterator[bool]:
+        home = next(block.parameters()).device
+        block.to(self.device)
+        try:
+            yield False
+        finally:
+            block.to(home)
+
+
+def _onto(block: nn.Module, kwargs: dict) -> tuple[torch.device, dict]:
+    """The block's device, and its keyword arguments (masks, rotary tables) moved there."""
+    device = next(block.parameters()).device
+    return device, tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, kwargs)
 
 
 def block_linears(block: nn.Module) -> dict[str, nn.Linear]:
@@ -226,14 +251,20 @@ def blocks_skipped(layers: nn.ModuleList, output: Callable[[int, torch.Tensor], 
 
 
 def capture_inputs(
-    model: nn.Module, ids: torch.Tensor, batch: int = 8, calibration_dtype: torch.dtype | None | str = "auto"
+    model: nn.Module,
+    ids: torch.Tensor,
+    batch: int = 8,
+    calibration_dtype: torch.dtype | None | str = "auto",
+    blocks_device: torch.device | None = None,
 ) -> tuple[Hidden, list[dict], torch.dtype | None]:
     """Inputs of block 0 for `ids` [sequences, seqlen] in batches, the keyword arguments each
     block is called with (recorded from one sequence's pass), and the forward dtype ("auto":
-    `fast_calibration_dtype`). Blocks whose weights are away are not needed."""
+    `fast_calibration_dtype` of where the blocks run, `blocks_device` or the model's device).
+    Blocks whose weights are away are not needed."""
     layers = decoder_layers(model)
     device = next(p for p in model.parameters() if not p.is_meta).device
-    dtype = fast_calibration_dtype(device) if calibration_dtype == "auto" else calibration_dtype
+    runs_on = blocks_device or device
+    dtype = fast_calibration_dtype(runs_on) if calibration_dtype == "auto" else calibration_dtype
     ids = ids.to(device)
     width = model.config.get_text_config(decoder=True).hidden_size
     spill = 2 * ids.numel() * width * torch.finfo(model.dtype).bits // 8 > SPILL_SHARE * machine_ram_bytes()
@@ -277,10 +308,11 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 def run_block(block: nn.Module, inputs: Hidden, kwargs: dict, dtype: torch.dtype | None) -> Hidden:
     """The block's outputs for every input batch."""
     outputs = inputs.like()
+    device, kwargs = _onto(block, kwargs)
     with torch.no_grad():
         for hidden in inputs:
-            with _autocast(hidden.device, dtype):
-                out = block(hidden, **kwargs)
+            with _autocast(device, dtype):
+                out = block(hidden.to(device), **kwargs)
             outputs.append(out[0] if isinstance(out, tuple) else out)
     return outputs
 
@@ -311,11 +343,12 @@ def collect_stats(
         linear.register_forward_hook(lambda m, args, out, name=name: add(name, args[0]))
         for name, linear in linears.items()
     ]
+    device, kwargs = _onto(block, kwargs)
     try:
         with torch.no_grad():
             for hidden in inputs:
-                with _autocast(hidden.device, dtype):
-                    block(hidden, **kwargs)
+                with _autocast(device, dtype):
+                    block(hidden.to(device), **kwargs)
                 first_inputs.clear()
     finally:
         for handle in handles:

@@ -107,3 +107,17 @@ def test_a_two_four_checkpoint_runs_semi_structured_where_faster_on_cuda(tmp_pat
         )
     semi = sum(isinstance(m, SemiStructuredLinear) for m in loaded.modules())
     print(f"{semi} layers semi-structured")  # the measured choice, for the log
+
+
+def test_a_model_in_ram_is_pruned_on_the_gpu_one_block_at_a_time():
+    from sparsegen.layerwise import OnDevice
+
+    calibration = torch.randint(3, 96, (4, 32))
+    here, moved = build_tiny("llama"), build_tiny("llama")
+    prune(here, "wanda", 0.5, calibration=calibration, calibration_dtype=None, progress=False)
+    prune(moved, "wanda", 0.5, calibration=calibration, calibration_dtype=None, progress=False,
+          blocks=OnDevice("cuda"))  # fmt: skip
+    assert all(not p.is_cuda for p in moved.parameters())  # each block went back to RAM
+    pairs = zip(here.parameters(), moved.parameters(), strict=True)
+    same = [((a == 0) == (b == 0)).float().mean().item() for a, b in pairs]
+    assert min(same) > 0.99  # the same masks, up to ties the GPU's arithmetic breaks otherwise

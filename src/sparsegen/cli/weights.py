@@ -13,13 +13,15 @@ from sparsegen.errors import SparsegenError
 
 def _load_to_rewrite(registry, from_disk, out_dir, job, device):
     """The model with float weights (packed layers decoded), its tokenizer, calibration ids when
-    the method needs them, and where its blocks live: in memory on `device` (calibrated there), or
-    streamed from disk to `out_dir`."""
+    the method needs them, and where its blocks live: in memory on `device` (calibrated there; on a
+    GPU that cannot hold the model, in RAM and moved to the GPU one block at a time), or streamed
+    from disk to `out_dir`."""
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.distributed import init_from_env
-    from sparsegen.layerwise import IN_MEMORY
+    from sparsegen.layerwise import IN_MEMORY, OnDevice
     from sparsegen.loading import load, resolve_model_path
-    from sparsegen.scale import DiskBlocks, open_lazy
+    from sparsegen.models import default_dtype, pick_device
+    from sparsegen.scale import DiskBlocks, fits_on_gpu, open_lazy
 
     registry.named(job["method"])  # an unknown method fails before the model loads
     init_from_env()  # under torchrun: join the other ranks
@@ -31,8 +33,12 @@ def _load_to_rewrite(registry, from_disk, out_dir, job, device):
         blocks = DiskBlocks(loaded, checkpoint, out_dir, job)
         if blocks.finished:
             err.print(f"resuming: {len(blocks.finished)} of {blocks.count} blocks were written by an earlier run")
+    elif (runs_on := pick_device(device)).type == "cuda" and not fits_on_gpu(job["model"], runs_on):
+        err.print(f"the weights pass {runs_on}'s free memory: they stay in RAM, each block is rewritten on the GPU")
+        loaded, tokenizer = load(job["model"], dtype=default_dtype(runs_on), packed=False, device="cpu")
+        blocks = OnDevice(runs_on)
     else:
-        (loaded, tokenizer), blocks = load(job["model"], packed=False, device=device), IN_MEMORY
+        (loaded, tokenizer), blocks = load(job["model"], packed=False, device=runs_on), IN_MEMORY
     calibration = None
     if job["calibration"]:
         text = load_text(job["calib_text"])

@@ -81,13 +81,18 @@ def prune(
     if owl and shape.is_nm:
         raise SparsegenError("OWL sets a ratio per layer; it does not apply to N:M patterns")
     if owl and blocks is not IN_MEMORY:
-        raise SparsegenError("OWL reads every block twice; it runs on a model in memory only (drop --from-disk)")
+        raise SparsegenError(
+            "OWL reads every block twice; it runs on a model held whole where it runs (drop --from-disk; on a GPU, "
+            "one that holds the model)"
+        )
     n_samples, seqlen = calibration.shape if needs_data else (0, 0)
     report = PruneReport(method, str(shape), shape.sparsity, owl, n_samples, seqlen, settings=settings_of(pruner))
     started = time.perf_counter()
     ratios = [shape.sparsity] * len(layers)
     inputs, kwargs, dtype = (
-        capture_inputs(model, share_of(calibration), batch, calibration_dtype) if needs_data else (None, None, None)
+        capture_inputs(model, share_of(calibration), batch, calibration_dtype, blocks.device)
+        if needs_data
+        else (None, None, None)
     )
     if owl:
         scores, hidden = [], inputs

@@ -54,7 +54,9 @@ def quantize(
     layers = decoder_layers(model)
     prefix = _layers_prefix(model, layers)
     inputs, kwargs, dtype = (
-        capture_inputs(model, share_of(calibration), batch) if quantizer.needs_calibration else (None, None, None)
+        capture_inputs(model, share_of(calibration), batch, blocks_device=blocks.device)
+        if quantizer.needs_calibration
+        else (None, None, None)
     )
 
     def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> Grid:

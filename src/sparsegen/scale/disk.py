@@ -33,6 +33,7 @@ from sparsegen.models import decoder_layers
 INDEX = "model.safetensors.index.json"
 JOB = "job.json"
 RAM_SHARE = 0.5  # `auto` streams from disk when the weights pass this share of available memory
+GPU_SHARE = 0.7  # rewriting keeps the model on the GPU below this share of its free memory (the rest: calibration)
 
 
 class Checkpoint:
@@ -118,6 +119,12 @@ def too_large_for_ram(name_or_path: str) -> bool:
         if line.startswith("MemAvailable:")
     )
     return Checkpoint(resolve_model_path(name_or_path)).weight_bytes > RAM_SHARE * available
+
+
+def fits_on_gpu(name_or_path: str, device: torch.device) -> bool:
+    """Whether a checkpoint's weights stay under `GPU_SHARE` of the GPU's free memory."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return Checkpoint(resolve_model_path(name_or_path)).weight_bytes < GPU_SHARE * free
 
 
 def _take_away(block: nn.Module) -> None:
