@@ -38,7 +38,8 @@ def _gathered_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = (k < kept) & (k < start + chunk)
         kept_rows = tl.load(index + group * stride_index + k, mask=k_ok, other=0)
-        w = tl.load(weight_t + kept_rows[:, None] * stride_w + n[None, :], mask=k_ok[:, None] & (n < outs)[None, :])
+        w_ok = k_ok[:, None] & (n < outs)[None, :]
+        w = tl.load(weight_t + kept_rows[:, None] * stride_w + n[None, :], mask=w_ok, other=0.0)
         column = k if COMPACT else kept_rows
         xs = tl.load(x + row[:, None] * stride_x + column[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(xs.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
@@ -60,7 +61,8 @@ def _rows_kernel(
     acc = tl.zeros((ROWS, BLOCK_U), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(weight + kept_rows[:, None] * stride_w + k[None, :], mask=u_ok[:, None] & (k < width)[None, :])
+        w_ok = u_ok[:, None] & (k < width)[None, :]
+        w = tl.load(weight + kept_rows[:, None] * stride_w + k[None, :], mask=w_ok, other=0.0)
         xs = tl.load(x + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & (k < width)[None, :], other=0.0)
         acc += tl.sum(xs.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     tl.store(out + row[:, None] * stride_out + u[None, :], acc, mask=row_ok[:, None] & u_ok[None, :])
