@@ -413,3 +413,11 @@ def test_a_selectors_settings_are_saved_and_loaded_with_it(tmp_path):
     loaded = load_selectors(build_tiny("llama"), tmp_path)
     assert (loaded[0].rank, loaded[0].steps, loaded[0].sparsity) == (8, 20, 0.5)
     assert loaded[0].down.shape[1] == 8
+
+
+def test_teals_batch_selection_is_a_checked_setting():
+    from sparsegen.contextual import make_selector
+
+    assert make_selector("teal", 0.5, batch_selection="shared").batch_selection == "shared"
+    with pytest.raises(SparsegenError, match="batch_selection must be one of per-row, shared, got 'union'"):
+        make_selector("teal", 0.5, batch_selection="union")

@@ -78,14 +78,16 @@ def test_kept_rows_product_equals_the_dense_product_at_those_rows(kernels, rows,
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_teal_projections_on_the_gpu_path_equal_the_masked_path(kernels, rows):
+@pytest.mark.parametrize("shared", [False, True], ids=["per-row", "shared"])
+def test_teal_projections_on_the_gpu_path_equal_the_masked_path(kernels, rows, shared):
     model = build_tiny("llama").to(DEVICE)
     attention = decoder_layers(model)[0].self_attn
-    fused = InputSparseLinear([attention.q_proj, attention.k_proj, attention.v_proj], 0.5)
+    fused = InputSparseLinear([attention.q_proj, attention.k_proj, attention.v_proj], 0.5, shared)
     x = torch.randn(rows, fused.in_features, device=DEVICE)
     top = x.abs().topk(fused.keep, dim=-1).indices
     masked = torch.zeros_like(x).scatter_(1, top, x.gather(1, top))
-    _close(fused.gathered_per_row(x), masked @ fused.weight_t, torch.float32)
+    gathered = fused.gathered_shared(x) if shared else fused.gathered_per_row(x)
+    _close(gathered, masked @ fused.weight_t, torch.float32)
 
 
 @pytest.mark.parametrize("selector", ["predictor", "threshold"])

@@ -57,15 +57,17 @@ def test_contextual_sparsity_with_everything_kept_generates_the_dense_tokens_on_
     assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), dense)
 
 
-@pytest.mark.parametrize("selector", ["teal", "threshold"])
+@pytest.mark.parametrize("selector", ["teal", "teal-shared", "threshold"])
 def test_contextual_sparsity_decodes_through_the_triton_kernels_on_cuda(selector):
     model = build_tiny("llama").to(CUDA)
-    sparsify(model, selector, 0.5, calibration=torch.randint(3, 96, (4, 24), device=CUDA), progress=False)
+    settings = {"batch_selection": "shared"} if selector == "teal-shared" else {}
+    calibration = torch.randint(3, 96, (4, 24), device=CUDA)
+    sparsify(model, selector.split("-")[0], 0.5, calibration=calibration, progress=False, **settings)
     batch = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21], [30, 31, 32]]
     rows = generate(model, batch, 8, compile="never", eos_token_id=[]).tokens
     singles = [generate(model, [prompt], 8, compile="never", eos_token_id=[]).tokens[0] for prompt in batch]
     assert len(rows) == 4 and all(len(row) == 8 for row in rows)
-    if selector == "teal":  # each row reads its own kept inputs: a batch row is its single run
+    if selector.startswith("teal"):  # each row keeps its own inputs: a batch row is its single run
         assert rows == singles
 
 

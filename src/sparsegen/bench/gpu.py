@@ -184,11 +184,15 @@ def bench_gpu(
     for batch in (1, 4):
         base = _decode_row(model, "contextual", "dense", batch, context, new_tokens, bandwidth, compile=compile)
         group = [base]
-        for method in ("teal", "threshold"):
+        variants = [("teal", {}), ("threshold", {})]
+        variants += [("teal", {"batch_selection": "shared"})] if batch > 1 else []
+        for method, settings in variants:
             for sparsity in sparsities:
-                sparsify(model, method, sparsity, calibration=ids if method != "teal" else None, progress=False)
-                group.append(_decode_row(model, "contextual", f"{method} {sparsity:.0%}", batch, context,
-                                         new_tokens, bandwidth, compile=compile))  # fmt: skip
+                calibration = ids if method != "teal" else None
+                sparsify(model, method, sparsity, calibration=calibration, progress=False, **settings)
+                label = f"{method} {sparsity:.0%}" + (" (shared selection)" if settings else "")
+                group.append(_decode_row(model, "contextual", label, batch, context, new_tokens, bandwidth,
+                                         compile=compile))  # fmt: skip
                 densify(model)
         rows += _versus(group, base)
 

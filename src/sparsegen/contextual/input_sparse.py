@@ -7,7 +7,7 @@ weights side by side (measured on the Xeon host: 19.2 ms against 25.3 ms for the
 gathered one by one, 30 layers of SmolLM2 at 75% kept). The weights are stored transposed and
 `embedding_bag` sums the kept rows, in two bags that split the kept rows between the two cores.
 On a GPU, a Triton gather-GEMV (`sparsegen.gather_kernels`) reads each row's own kept rows, at
-batch 1 and above.
+batch 1 and above (or, `shared`, the union of a batch's kept rows once).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class InputSparseLinear(nn.Module):
     returns their outputs side by side. One row (a decode step) reads only the kept inputs' weight
     rows; more rows run the dense product of the masked input, which is the same arithmetic."""
 
-    def __init__(self, linears: Sequence[nn.Linear], sparsity: float) -> None:
+    def __init__(self, linears: Sequence[nn.Linear], sparsity: float, shared: bool = False) -> None:
         super().__init__()
+        self.shared = shared  # on a GPU, several rows read the union of their kept inputs' rows once
         self.linears = tuple(linears)  # registered in the wrapped module already; here for the dense case
         self.in_features = linears[0].in_features
         self.splits = [linear.out_features for linear in linears]
@@ -55,12 +56,21 @@ class InputSparseLinear(nn.Module):
 
         return gathered_product(rows, self.weight_t, rows.abs().topk(self.keep, dim=-1, sorted=False).indices)
 
+    def gathered_shared(self, rows: torch.Tensor) -> torch.Tensor:
+        """[rows, outs] by the Triton gather-GEMV over the union of the rows' kept inputs, each
+        row's other inputs zeroed: the same values as `gathered_per_row`, each weight row read once."""
+        from sparsegen.gather_kernels import gathered_product  # triton: imported only on a GPU
+
+        top = rows.abs().topk(self.keep, dim=-1, sorted=False).indices
+        chosen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, top, True)
+        return gathered_product(rows * chosen, self.weight_t, chosen.any(0).nonzero().squeeze(1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.keep == self.in_features:  # the original arithmetic, so that all kept equals dense exactly
             return torch.cat([linear(x) for linear in self.linears], -1)
         if rows.is_cuda:
-            out = self.gathered_per_row(rows)
+            out = self.gathered_shared(rows) if self.shared and rows.shape[0] > 1 else self.gathered_per_row(rows)
         elif rows.shape[0] == 1:
             out = self.gathered(rows[0], rows[0].abs().topk(self.keep, sorted=False).indices).sum(0, keepdim=True)
         else:
@@ -73,11 +83,12 @@ class InputSparseLinear(nn.Module):
 class InputSparseAttention(nn.Module):
     """A layer's attention with input-sparse q/k/v (one selection) and o projections."""
 
-    def __init__(self, attention: nn.Module, qkv_sparsity: float, o_sparsity: float) -> None:
+    def __init__(self, attention: nn.Module, qkv_sparsity: float, o_sparsity: float, shared: bool = False) -> None:
         super().__init__()
         self.original = attention
-        self.qkv = InputSparseLinear([attention.q_proj, attention.k_proj, attention.v_proj], qkv_sparsity)
-        self.o = InputSparseLinear([attention.o_proj], o_sparsity)
+        projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+        self.qkv = InputSparseLinear(projections, qkv_sparsity, shared)
+        self.o = InputSparseLinear([attention.o_proj], o_sparsity, shared)
         self.rotate = rotary(attention)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
@@ -95,11 +106,19 @@ class InputSparseAttention(nn.Module):
 class InputSparseMLP(nn.Module):
     """An MLP with input-sparse gate and up (one selection) and down projections."""
 
-    def __init__(self, mlp: nn.Module, parts: MLPParts, selector: NeuronChoice, in_sparsity: float, h_sparsity: float):
+    def __init__(
+        self,
+        mlp: nn.Module,
+        parts: MLPParts,
+        selector: NeuronChoice,
+        in_sparsity: float,
+        h_sparsity: float,
+        shared: bool = False,
+    ):
         super().__init__()
         self.original, self.selector, self.act, self.gated = mlp, selector, parts.act, parts.gate is not None
-        self.gate_up = InputSparseLinear([parts.gate, parts.up] if self.gated else [parts.up], in_sparsity)
-        self.down = InputSparseLinear([parts.down], h_sparsity)
+        self.gate_up = InputSparseLinear([parts.gate, parts.up] if self.gated else [parts.up], in_sparsity, shared)
+        self.down = InputSparseLinear([parts.down], h_sparsity, shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:

@@ -7,6 +7,8 @@ projection keeps every step's shapes fixed (one compiled graph). Execution: `inp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,14 +20,28 @@ from sparsegen.errors import SparsegenError
 # Budget split: each input's sparsity relative to the attention projections'. Measured on
 # SmolLM2-135M (docs/benchmarks.md): h tolerates twice the MLP input's sparsity at the same cost.
 SPLIT = {"qkv": 1.0, "o": 1.0, "mlp_in": 2 / 3, "down": 4 / 3}
+BATCH_SELECTIONS = ("per-row", "shared")
 
 
 @register_selector
+@dataclass
 class TealSelector(Selector):
     """TEAL-style input sparsity on every projection (per token, top-k |input|)."""
 
     name = "teal"
     needs_hidden = True
+
+    batch_selection: str = "per-row"
+    """On a GPU, how the rows of a batch read the weights: "per-row" (each its own kept inputs'
+    rows: a row equals its single-row run, and shapes stay fixed for a CUDA graph) or "shared"
+    (the union of the rows' selections read once, each row's unkept inputs zeroed)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_selection not in BATCH_SELECTIONS:
+            raise SparsegenError(
+                f"batch_selection must be one of {', '.join(BATCH_SELECTIONS)}, got {self.batch_selection!r}"
+            )
 
     def shares(self, layer: nn.Module) -> dict[str, float]:
         """Input sparsity of each group of projections: SPLIT scaled so that the share of the
@@ -43,9 +59,9 @@ class TealSelector(Selector):
         return mask.scatter_(-1, hidden.abs().topk(self.down_keep, dim=-1, sorted=False).indices, True)
 
     def install(self, layer: nn.Module) -> None:
-        shares = self.shares(layer)
-        layer.self_attn = InputSparseAttention(layer.self_attn, shares["qkv"], shares["o"])
-        layer.mlp = InputSparseMLP(layer.mlp, mlp_parts(layer.mlp), self, shares["mlp_in"], shares["down"])
+        shares, shared = self.shares(layer), self.batch_selection == "shared"
+        layer.self_attn = InputSparseAttention(layer.self_attn, shares["qkv"], shares["o"], shared)
+        layer.mlp = InputSparseMLP(layer.mlp, mlp_parts(layer.mlp), self, shares["mlp_in"], shares["down"], shared)
         self.down_keep = layer.mlp.down.keep
 
 
