@@ -188,8 +188,8 @@ def bench_gpu(
         variants += [("teal", {"batch_selection": "shared"})] if batch > 1 else []
         for method, settings in variants:
             for sparsity in sparsities:
-                calibration = ids if method != "teal" else None
-                sparsify(model, method, sparsity, calibration=calibration, progress=False, **settings)
+                text = ids if method != "teal" else None
+                sparsify(model, method, sparsity, calibration=text, progress=False, **settings)
                 label = f"{method} {sparsity:.0%}" + (" (shared selection)" if settings else "")
                 group.append(_decode_row(model, "contextual", label, batch, context, new_tokens, bandwidth,
                                          compile=compile))  # fmt: skip
