@@ -19,12 +19,14 @@ import torch
 from transformers import LlamaForCausalLM
 
 from sparsegen.bench.measure import read_bandwidth_gbs, weight_bytes
-from sparsegen.bench.synthetic import SHAPES, llama_config
+from sparsegen.bench.synthetic import llama_config
 from sparsegen.contextual import densify, sparsify
 from sparsegen.decode import generate
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.models import default_dtype, kv_bytes_per_token, pick_device
 from sparsegen.prune import prune
+from sparsegen.prune.accelerate import SemiStructuredLinear, sparse_form
+from sparsegen.prune.pruner import Pattern, mask_lowest
 from sparsegen.report import markdown_table, run_meta
 
 COLUMNS = [("what", "what"), ("setting", "setting"), ("batch", "batch"), ("tokens_per_s", "tokens/s"),
@@ -34,7 +36,7 @@ COLUMNS = [("what", "what"), ("setting", "setting"), ("batch", "batch"), ("token
 
 def random_llama(shape: str, device: torch.device, dtype: torch.dtype, layers: int | None = None) -> LlamaForCausalLM:
     """A Llama of `shape` with random weights, built directly on `device` (`layers` overrides the depth)."""
-    config = llama_config(shape, SHAPES[shape].get("vocab_size", 32000))
+    config = llama_config(shape, 32000)  # Llama-2's vocabulary, unless the shape names its own
     config.max_position_embeddings = 131072
     if layers is not None:
         config.num_hidden_layers = layers
@@ -77,23 +79,18 @@ def _versus(rows: list[dict], dense: dict) -> list[dict]:
 
 
 def _semi_structured(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> list[dict]:
-    """One MLP-shaped product, dense against 2:4 (`to_sparse_semi_structured`), at 1, 4 and 16 rows."""
-    weight = torch.randn(out_features, in_features, device=device, dtype=dtype)
-    keep = weight.abs().view(-1, 4).topk(2, -1).indices
-    mask = torch.zeros(weight.numel() // 4, 4, device=device, dtype=torch.bool).scatter_(1, keep, True)
-    weight = weight * mask.view_as(weight)
-    try:
-        from torch.sparse import to_sparse_semi_structured
-
-        sparse = to_sparse_semi_structured(weight)
-    except (RuntimeError, ValueError, NotImplementedError) as exc:
-        why = str(exc).splitlines()[0][:100]
+    """One MLP-shaped Linear pruned 2:4, dense against its semi-structured form, at 1, 4 and 16 rows."""
+    linear = torch.nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.masked_fill_(mask_lowest(linear.weight.abs(), Pattern.parse(0.5, "2:4"), per_row=True), 0)
+    sparse = sparse_form(linear)
+    if not isinstance(sparse, SemiStructuredLinear):
+        why = sparse if isinstance(sparse, str) else "semi-structured sparse tensors need a CUDA GPU"
         return [{"what": "2:4 matmul", "setting": f"{out_features}x{in_features}", "note": f"not run here: {why}"}]
     rows = []
     for batch in (1, 4, 16):
         x = torch.randn(batch, in_features, device=device, dtype=dtype)
-        times = {name: _time(lambda w=w, x=x: torch.nn.functional.linear(x, w)) for name, w in
-                 (("dense", weight), ("2:4", sparse))}  # fmt: skip
+        times = {name: _time(lambda m=m, x=x: m(x)) for name, m in (("dense", linear), ("2:4", sparse))}
         rows.append({"what": "2:4 matmul", "setting": f"{out_features}x{in_features}", "batch": batch,
                      "ms": round(times["2:4"] * 1000, 4), "vs_dense": f"{times['dense'] / times['2:4']:.2f}x",
                      "note": f"dense {times['dense'] * 1000:.4f} ms"})  # fmt: skip
@@ -133,9 +130,9 @@ def bench_gpu(
     device = pick_device(device)
     dtype = default_dtype(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    model = random_llama(shape, device, dtype)  # an unknown shape is an error before anything is measured
     bandwidth = read_bandwidth_gbs(1024 if device.type == "cuda" else 256, device=device)
-    progress(f"{name}: {bandwidth:.0f} GB/s read; building {shape} ({dtype}) with random weights")
-    model = random_llama(shape, device, dtype)
+    progress(f"{name}: {bandwidth:.0f} GB/s read; {shape} ({dtype}) built with random weights")
     rows: list[dict] = []
 
     progress("dense decode at batch 1")

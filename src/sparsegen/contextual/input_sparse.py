@@ -6,8 +6,8 @@ Projections that read the same input share one selection and one gather: q, k an
 weights side by side (measured on the Xeon host: 19.2 ms against 25.3 ms for the seven projections
 gathered one by one, 30 layers of SmolLM2 at 75% kept). The weights are stored transposed and
 `embedding_bag` sums the kept rows, in two bags that split the kept rows between the two cores.
-On a GPU, a Triton gather-GEMV (`sparsegen.gather_kernels`) reads each row's own kept rows, at
-batch 1 and above (or, `shared`, the union of a batch's kept rows once).
+On a GPU, a Triton gather-GEMV (`sparsegen.gather_kernels`) reads each row's own kept rows for
+the few rows of a decode step (or, `shared`, the union of a batch's kept rows once).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torch import nn
 
 from sparsegen.contextual.attend import attend, rotary
 from sparsegen.contextual.parts import MLPParts, NeuronChoice
+
+KERNEL_ROWS = 16  # rows a GPU gathers for; more (a prefill) run the masked dense product on tensor cores
 
 
 class InputSparseLinear(nn.Module):
@@ -50,31 +52,34 @@ class InputSparseLinear(nn.Module):
         """The two bags' sums [2, outs] of the kept inputs' weight rows, weighted by their values."""
         return F.embedding_bag(top, self.weight_t, self.bags, per_sample_weights=row[top], mode="sum")
 
+    def kept(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's kept inputs [rows, keep]: its largest |x|."""
+        return rows.abs().topk(self.keep, dim=-1, sorted=False).indices
+
     def gathered_per_row(self, rows: torch.Tensor) -> torch.Tensor:
         """[rows, outs] by the Triton gather-GEMV: each row reads only its own kept inputs' rows."""
         from sparsegen.gather_kernels import gathered_product  # triton: imported only on a GPU
 
-        return gathered_product(rows, self.weight_t, rows.abs().topk(self.keep, dim=-1, sorted=False).indices)
+        return gathered_product(rows, self.weight_t, self.kept(rows))
 
     def gathered_shared(self, rows: torch.Tensor) -> torch.Tensor:
         """[rows, outs] by the Triton gather-GEMV over the union of the rows' kept inputs, each
         row's other inputs zeroed: the same values as `gathered_per_row`, each weight row read once."""
         from sparsegen.gather_kernels import gathered_product  # triton: imported only on a GPU
 
-        top = rows.abs().topk(self.keep, dim=-1, sorted=False).indices
-        chosen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, top, True)
+        chosen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, self.kept(rows), True)
         return gathered_product(rows * chosen, self.weight_t, chosen.any(0).nonzero().squeeze(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.keep == self.in_features:  # the original arithmetic, so that all kept equals dense exactly
             return torch.cat([linear(x) for linear in self.linears], -1)
-        if rows.is_cuda:
+        if rows.is_cuda and rows.shape[0] <= KERNEL_ROWS:
             out = self.gathered_shared(rows) if self.shared and rows.shape[0] > 1 else self.gathered_per_row(rows)
         elif rows.shape[0] == 1:
-            out = self.gathered(rows[0], rows[0].abs().topk(self.keep, sorted=False).indices).sum(0, keepdim=True)
+            out = self.gathered(rows[0], self.kept(rows)[0]).sum(0, keepdim=True)
         else:
-            top = rows.abs().topk(self.keep, dim=-1, sorted=False).indices
+            top = self.kept(rows)
             out = torch.zeros_like(rows).scatter_(1, top, rows.gather(1, top)) @ self.weight_t
         out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], -1)

@@ -226,7 +226,6 @@ class Decoder:
             with few_row_linears(self.model):
                 return self._step(tokens, self.state)
         if self.device.type == "cuda":  # a new replay: the last step's outputs were consumed
-            self.state.mark_static()
             torch.compiler.cudagraph_mark_step_begin()
         if self.compile_s:
             return self._step(tokens, self.state)

@@ -196,22 +196,29 @@ class StaticKV:
     layers: list[LayerState]
     seen: torch.Tensor
 
+    def __post_init__(self) -> None:
+        self._mark_static()
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices, in that order) in every layer."""
         rows = rows.to(self.seen.device)
         for layer in self.layers:
             layer.select(rows)
         self.seen = self.seen[rows]
+        self._mark_static()
 
     def extend(self, other: StaticKV) -> None:
         """Append `other`'s rows to every layer."""
         for layer, joining in zip(self.layers, other.layers, strict=True):
             layer.extend(joining)
         self.seen = torch.cat([self.seen, other.seen])
+        self._mark_static()
 
-    def mark_static(self) -> None:
-        """Tell the compiler the slots keep their addresses from step to step (a CUDA graph replays
-        over them; when rows join or leave, the new buffers are recorded once more)."""
+    def _mark_static(self) -> None:
+        """On a GPU, tell the compiler the slots keep their addresses from step to step (a CUDA
+        graph replays over them); done whenever rows join or leave, as new buffers replace them."""
+        if not self.seen.is_cuda:
+            return
         for layer in self.layers:
             for name in LayerState._ROWS:
                 torch._dynamo.mark_static_address(getattr(layer, name), guard=False)
