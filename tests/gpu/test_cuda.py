@@ -13,6 +13,7 @@ from sparsegen.prune import prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.quant import quantize
 from sparsegen.quant.checkpoint import save_quantized
+from sparsegen.quant.packed import Int4Linear, Int8Linear, PackedLinear, pack_linear
 from tests.conftest import build_tiny, tiny_tokenizer
 from tests.kv_reference import TABLE
 
@@ -123,3 +124,34 @@ def test_a_model_in_ram_is_pruned_on_the_gpu_one_block_at_a_time():
     pairs = zip(here.parameters(), moved.parameters(), strict=True)
     same = [((a == 0) == (b == 0)).float().mean().item() for a, b in pairs]
     assert min(same) > 0.99  # the same masks, up to ties the GPU's arithmetic breaks otherwise
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits,group,kernel", [(4, 32, Int4Linear), (4, 96, Int4Linear), (8, 0, Int8Linear)])
+def test_packed_layers_on_cuda_equal_dequantize_then_matmul(bits, group, kernel, symmetric):
+    from tests.test_packed import TOLERANCE, _grid
+
+    integers, scale, zero_point, weight = _grid(bits, group, symmetric)
+    layer = pack_linear(integers.to(CUDA), scale.to(CUDA), zero_point.to(CUDA), bits)
+    assert isinstance(layer, kernel) and all(buffer.is_cuda for buffer in layer.buffers())
+    for rows in (1, 4):
+        x = torch.randn(rows, weight.shape[1], device=CUDA)
+        expected = x @ weight.to(CUDA).T
+        assert (layer(x) - expected).abs().max() <= TOLERANCE * expected.abs().max()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_checkpoint_loads_packed_on_cuda_and_decodes_as_its_dequantized_self(tmp_path, bits, capfd):
+    model = build_tiny("llama")
+    report = quantize(model, "rtn", bits, None, False, progress=False)
+    folder = save_quantized(model, tiny_tokenizer(), tmp_path / "q", report)
+    packed, _ = sparsegen.load(str(folder), device="cuda")
+    floats, _ = sparsegen.load(str(folder), device="cuda", packed=False)
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == len(report.grids) and all(next(m.buffers()).is_cuda for m in layers)
+    assert "run dequantized" not in capfd.readouterr().err
+    prompt = [list(range(3, 19))]
+    eager = generate(packed, prompt, 6, compile="never", eos_token_id=[])
+    compiled = generate(packed, prompt, 6, compile="always", eos_token_id=[])
+    reference = generate(floats, prompt, 6, compile="never", eos_token_id=[])
+    assert compiled.tokens == eager.tokens and eager.tokens[0][0] == reference.tokens[0][0]

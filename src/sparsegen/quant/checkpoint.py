@@ -185,29 +185,37 @@ def dequantize_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, 
 
 
 def packed_state(
-    state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype
+    state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module], dict[str, str]]:
     """Split a checkpoint's tensors into float tensors and packed layers (`quant.packed`) built from
-    its integers as they are stored; a layer no kernel takes gets its float weight instead, with why."""
+    its integers as they are stored, for the kernels of `device`; a layer no kernel takes gets its
+    float weight instead, with why."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    from sparsegen.quant.packed import dequantized, pack_linear
+    from sparsegen.quant.packed import dequantized, pack_all
 
     parsed = _parse(config)
-    floats, layers, unpacked = _float_tensors(state), {}, {}
-    for module in _quantized_modules(state):
-        bits = _scheme_for(module, parsed).weights.num_bits
-        shape = torch.Size(state[f"{module}.weight_shape"].tolist())
-        integers = unpack_from_int32(state[f"{module}.weight_packed"], bits, shape)
-        scale = state[f"{module}.weight_scale"]
-        zero_point = torch.zeros_like(scale, dtype=torch.int8)
-        if f"{module}.weight_zero_point" in state:
-            zp_shape = (shape[0], scale.shape[-1])
-            zero_point = unpack_from_int32(state[f"{module}.weight_zero_point"], bits, zp_shape, packed_dim=0)
-        bias = floats.get(f"{module}.bias")
-        layer = pack_linear(integers, scale, zero_point, bits, None if bias is None else bias.to(dtype))
+    floats, layers, unpacked, grids = _float_tensors(state), {}, {}, {}
+
+    def quantized_layers():
+        for module in _quantized_modules(state):
+            bits = _scheme_for(module, parsed).weights.num_bits
+            shape = torch.Size(state[f"{module}.weight_shape"].tolist())
+            integers = unpack_from_int32(state[f"{module}.weight_packed"], bits, shape)
+            scale = state[f"{module}.weight_scale"]
+            zero_point = torch.zeros_like(scale, dtype=torch.int8)
+            if f"{module}.weight_zero_point" in state:
+                zp_shape = (shape[0], scale.shape[-1])
+                zero_point = unpack_from_int32(state[f"{module}.weight_zero_point"], bits, zp_shape, packed_dim=0)
+            bias = floats.get(f"{module}.bias")
+            grids[module] = (integers, scale, zero_point)
+            on_device = (t.to(device) for t in (integers, scale, zero_point))
+            yield module, *on_device, bits, None if bias is None else bias.to(device, dtype)
+
+    for module, layer in pack_all(quantized_layers()):
+        grid = grids.pop(module)  # this layer's integers as stored, held only until it is packed
         if isinstance(layer, str):
-            floats[f"{module}.weight"] = dequantized(integers, scale, zero_point)
+            floats[f"{module}.weight"] = dequantized(*grid)
             unpacked[module] = layer
         else:
             floats.pop(f"{module}.bias", None)

@@ -1,22 +1,28 @@
 """Linear layers whose weights stay integer: PyTorch's own weight-only kernels in the decode step.
 
 A quantized checkpoint (or `quantize(..., pack=True)`) holds each layer as integers q, scales and
-zero points with w = (q - zero) * scale per group. Two CPU kernels take such layers as they are:
+zero points with w = (q - zero) * scale per group. The layers are packed for the device they will
+run on, since each kernel wants its own layout:
 
-- `_weight_int4pack_mm_for_cpu`: 4 bits in nibbles, groups of 32-256 inputs, a scale and an offset
-  per group, so any int2-int4 grid fits exactly (a checkpoint's group of 96 becomes three of 32
-  sharing one scale);
-- `_weight_int8pack_mm`: int8 with one scale per output row, so int5-int8 grids of one group a row
-  (`--group-size 0`); a zero point becomes one subtraction of `zero * scale * sum(x)`.
+- int2-int4: `_weight_int4pack_mm_for_cpu` on a CPU, tinygemm's `_weight_int4pack_mm` on a CUDA
+  GPU; 4 bits in nibbles, groups of 32-256 inputs, a scale and an offset per group, so any int2-int4
+  grid fits exactly (a checkpoint's group of 96 becomes three of 32 sharing one scale);
+- int5-int8 with one scale per output row (`--group-size 0`): `_weight_int8pack_mm` on a CPU; on a
+  GPU the int8 weight is converted inside the product, which the compiled step fuses into one
+  kernel reading int8, as gpt-fast does. A zero point becomes one subtraction of
+  `zero * scale * sum(x)`.
 
-Both are vectorized for bf16 activations only on this CPU (fp32 or fp16 inputs run 5-20x slower),
-so a packed layer casts its input to bf16 and its output back. Layouts no kernel takes come back as
-ordinary float Linears, and the caller says so once.
+The kernels take bf16 activations (the CPU's are vectorized for bf16 only: fp32 or fp16 inputs ran
+5-20x slower), so a packed layer casts its input to bf16 and its output back. Layouts no kernel
+takes come back as ordinary float Linears, and the caller says so once; so does a kernel whose
+first product disagrees with the dequantized weight (`pack_all`), a guard against a layout that a
+PyTorch release changed.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -24,7 +30,8 @@ from torch import nn
 from sparsegen.quant.quantizer import Grid, QuantScheme
 
 KERNEL_DTYPE = torch.bfloat16
-INT4_GROUPS = (256, 128, 64, 32)  # group sizes the int4 kernel takes, largest first
+INT4_GROUPS = (256, 128, 64, 32)  # group sizes the int4 kernels take, largest first
+AGREEMENT = 0.02  # bf16 inputs and outputs: a kernel's product within this share of the largest output
 
 
 class PackedLinear(nn.Module):
@@ -57,6 +64,8 @@ class Int4Linear(PackedLinear):
         self.register_buffer("scale_and_offset", scale_and_offset)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed.is_cuda:
+            return torch._weight_int4pack_mm(x, self.packed, self.group, self.scale_and_offset)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_and_offset)
 
     def extra_repr(self) -> str:
@@ -73,7 +82,10 @@ class Int8Linear(PackedLinear):
         self.register_buffer("offset", offset)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x, self.integers, self.scale)
+        if self.integers.is_cuda:
+            out = torch.nn.functional.linear(x, self.integers.to(x.dtype)) * self.scale
+        else:
+            out = torch._weight_int8pack_mm(x, self.integers, self.scale)
         return out if self.offset is None else out - x.sum(-1, keepdim=True) * self.offset
 
     def extra_repr(self) -> str:
@@ -88,12 +100,13 @@ def pack_linear(
     bias: torch.Tensor | None = None,
 ) -> PackedLinear | str:
     """The packed layer for signed `integers` [out, in] with `scale` and `zero_point` [out, groups],
-    or why no kernel takes this layout (the caller then dequantizes)."""
+    packed for the integers' device, or why no kernel takes this layout (the caller then dequantizes)."""
     out_features, in_features = integers.shape
     group = in_features // scale.shape[1]
     zero_point = zero_point.float()
-    if integers.device.type != "cpu":
-        return f"no packed kernel is wired for {integers.device.type} yet"
+    device = integers.device.type
+    if device not in ("cpu", "cuda"):
+        return f"no packed kernel is wired for {device}"
     if bits <= 4:
         kernel_group = next((g for g in INT4_GROUPS if group % g == 0), None)
         if kernel_group is None:
@@ -104,13 +117,36 @@ def pack_linear(
         scale = scale.float().repeat_interleave(repeat, 1)
         offset = -zero_point.repeat_interleave(repeat, 1) * scale
         nibbles = (integers.to(torch.int32) + 8).contiguous()
-        packed = torch._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+        packed = _int4_tiles(nibbles) if device == "cuda" else torch._convert_weight_to_int4pack_for_cpu(nibbles, 1)
         scale_and_offset = torch.stack([scale, offset], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
         return Int4Linear(packed, scale_and_offset, kernel_group, in_features, bias)
     if scale.shape[1] != 1:
         return f"int{bits} with {scale.shape[1]} groups a row: the int8 kernel takes one scale a row (--group-size 0)"
     offset = None if not zero_point.any() else (zero_point * scale.float())[:, 0].to(KERNEL_DTYPE)
     return Int8Linear(integers.to(torch.int8).contiguous(), scale[:, 0].to(KERNEL_DTYPE), offset, bias)
+
+
+def _int4_tiles(nibbles: torch.Tensor) -> torch.Tensor:
+    """tinygemm's layout: two nibbles a byte (the even input high), then tiles of 16 x 16 * inner
+    inputs, the inner count the largest of 8, 4, 2 that divides the row (576 inputs: 4)."""
+    in_features = nibbles.shape[1]
+    inner = next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)
+    pairs = (nibbles[:, ::2] << 4 | nibbles[:, 1::2]).to(torch.uint8)
+    return torch._convert_weight_to_int4pack(pairs.contiguous(), inner)
+
+
+def _disagreement(layer: PackedLinear, integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):
+    """None when `layer`'s kernel gives the dequantized weight's product on a random input (within
+    bf16 rounding), else why not."""
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(0)).to(integers.device)
+    with torch.no_grad():
+        expected = x @ dequantized(integers, scale, zero_point).float().T
+        got = layer(x) if layer.bias is None else layer(x) - layer.bias
+    error = (got.float() - expected).abs().max().item() / max(expected.abs().max().item(), 1e-6)
+    if error <= AGREEMENT:
+        return None
+    kernel = f"the {type(layer).__name__} kernel on {integers.device.type}"
+    return f"{kernel} disagrees with the dequantized weight (error {error:.2g})"
 
 
 def dequantized(integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
@@ -132,17 +168,39 @@ def say_unpacked(unpacked: dict[str, str]) -> None:
     )
 
 
+Layer = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]
+
+
+def pack_all(layers: Iterable[Layer]) -> Iterator[tuple[str, PackedLinear | str]]:
+    """`pack_linear` of each (name, integers, scale, zero_point, bits, bias). The first layer of each
+    kernel is checked against its dequantized weight; a kernel that disagrees leaves every one of
+    its layers to the float path, with why."""
+    verdicts: dict[type, str | None] = {}
+    for name, integers, scale, zero_point, bits, bias in layers:
+        layer = pack_linear(integers, scale, zero_point, bits, bias)
+        if not isinstance(layer, str):
+            if type(layer) not in verdicts:
+                verdicts[type(layer)] = _disagreement(layer, integers, scale, zero_point)
+            layer = verdicts[type(layer)] or layer
+        yield name, layer
+
+
 def pack_quantized(model: nn.Module, grids: dict[str, Grid], scheme: QuantScheme) -> dict[str, str]:
     """Swap each quantized Linear of `model` (named in `grids`, holding its dequantized weight) for
-    its packed layer; return {name: why} for those no kernel takes, which stay float."""
+    its packed layer, on the weight's device; return {name: why} for those no kernel takes, which
+    stay float."""
+
+    def layers() -> Iterator[Layer]:
+        for name, grid in grids.items():
+            linear = model.get_submodule(name)
+            groups = linear.weight.detach().float().unflatten(1, (-1, grid.group_size))
+            integers = scheme.integers(groups, grid.scale[..., None], grid.zero_point[..., None]).flatten(1)
+            bias = None if linear.bias is None else linear.bias.detach()
+            scale = grid.scale.to(scheme.scale_dtype)
+            yield name, integers.to(torch.int8), scale, grid.zero_point.to(torch.int8), scheme.bits, bias
+
     unpacked = {}
-    for name, grid in grids.items():
-        linear = model.get_submodule(name)
-        groups = linear.weight.detach().float().unflatten(1, (-1, grid.group_size))
-        integers = scheme.integers(groups, grid.scale[..., None], grid.zero_point[..., None]).flatten(1)
-        bias = None if linear.bias is None else linear.bias.detach()
-        scale = grid.scale.to(scheme.scale_dtype)
-        layer = pack_linear(integers.to(torch.int8), scale, grid.zero_point.to(torch.int8), scheme.bits, bias)
+    for name, layer in pack_all(layers()):
         if isinstance(layer, str):
             unpacked[name] = layer
         else:
