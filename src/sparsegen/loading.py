@@ -121,7 +121,9 @@ def _quiet_loading():
         hf_logging.enable_progress_bar()
 
 
-def _from_pretrained(source: str, kwargs: dict, device: torch.device, packed: bool = True) -> PreTrainedModel:
+def _from_pretrained(
+    source: str, kwargs: dict, device: torch.device = torch.device("cpu"), packed: bool = True
+) -> PreTrainedModel:
     """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints (whose
     integer layers stay packed for `device`'s kernels when `packed`)."""
     quantized = quantization_config(source)
