@@ -192,30 +192,24 @@ def packed_state(
     float weight instead, with why."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    from sparsegen.quant.packed import dequantized, pack_all
+    from sparsegen.quant.packed import dequantized, pack_checked
 
     parsed = _parse(config)
-    floats, layers, unpacked, grids = _float_tensors(state), {}, {}, {}
-
-    def quantized_layers():
-        for module in _quantized_modules(state):
-            bits = _scheme_for(module, parsed).weights.num_bits
-            shape = torch.Size(state[f"{module}.weight_shape"].tolist())
-            integers = unpack_from_int32(state[f"{module}.weight_packed"], bits, shape)
-            scale = state[f"{module}.weight_scale"]
-            zero_point = torch.zeros_like(scale, dtype=torch.int8)
-            if f"{module}.weight_zero_point" in state:
-                zp_shape = (shape[0], scale.shape[-1])
-                zero_point = unpack_from_int32(state[f"{module}.weight_zero_point"], bits, zp_shape, packed_dim=0)
-            bias = floats.get(f"{module}.bias")
-            grids[module] = (integers, scale, zero_point)
-            on_device = (t.to(device) for t in (integers, scale, zero_point))
-            yield module, *on_device, bits, None if bias is None else bias.to(device, dtype)
-
-    for module, layer in pack_all(quantized_layers()):
-        grid = grids.pop(module)  # this layer's integers as stored, held only until it is packed
+    floats, layers, unpacked, verdicts = _float_tensors(state), {}, {}, {}
+    for module in _quantized_modules(state):
+        bits = _scheme_for(module, parsed).weights.num_bits
+        shape = torch.Size(state[f"{module}.weight_shape"].tolist())
+        integers = unpack_from_int32(state[f"{module}.weight_packed"], bits, shape)
+        scale = state[f"{module}.weight_scale"]
+        zero_point = torch.zeros_like(scale, dtype=torch.int8)
+        if f"{module}.weight_zero_point" in state:
+            zp_shape = (shape[0], scale.shape[-1])
+            zero_point = unpack_from_int32(state[f"{module}.weight_zero_point"], bits, zp_shape, packed_dim=0)
+        bias = floats.get(f"{module}.bias")
+        grid = (t.to(device) for t in (integers, scale, zero_point))
+        layer = pack_checked(verdicts, *grid, bits, None if bias is None else bias.to(device, dtype))
         if isinstance(layer, str):
-            floats[f"{module}.weight"] = dequantized(*grid)
+            floats[f"{module}.weight"] = dequantized(integers, scale, zero_point)
             unpacked[module] = layer
         else:
             floats.pop(f"{module}.bias", None)

@@ -15,14 +15,13 @@ run on, since each kernel wants its own layout:
 The kernels take bf16 activations (the CPU's are vectorized for bf16 only: fp32 or fp16 inputs ran
 5-20x slower), so a packed layer casts its input to bf16 and its output back. Layouts no kernel
 takes come back as ordinary float Linears, and the caller says so once; so does a kernel whose
-first product disagrees with the dequantized weight (`pack_all`), a guard against a layout that a
+first product disagrees with the dequantized weight (`pack_checked`), a guard against a layout that a
 PyTorch release changed.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -168,39 +167,37 @@ def say_unpacked(unpacked: dict[str, str]) -> None:
     )
 
 
-Layer = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]
-
-
-def pack_all(layers: Iterable[Layer]) -> Iterator[tuple[str, PackedLinear | str]]:
-    """`pack_linear` of each (name, integers, scale, zero_point, bits, bias). The first layer of each
-    kernel is checked against its dequantized weight; a kernel that disagrees leaves every one of
+def pack_checked(
+    verdicts: dict[type, str | None],
+    integers: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> PackedLinear | str:
+    """`pack_linear`, the first layer of each kernel checked against its dequantized weight (the
+    verdict kept in `verdicts`, one dict per model): a kernel that disagrees leaves every one of
     its layers to the float path, with why."""
-    verdicts: dict[type, str | None] = {}
-    for name, integers, scale, zero_point, bits, bias in layers:
-        layer = pack_linear(integers, scale, zero_point, bits, bias)
-        if not isinstance(layer, str):
-            if type(layer) not in verdicts:
-                verdicts[type(layer)] = _disagreement(layer, integers, scale, zero_point)
-            layer = verdicts[type(layer)] or layer
-        yield name, layer
+    layer = pack_linear(integers, scale, zero_point, bits, bias)
+    if isinstance(layer, str):
+        return layer
+    if type(layer) not in verdicts:
+        verdicts[type(layer)] = _disagreement(layer, integers, scale, zero_point)
+    return verdicts[type(layer)] or layer
 
 
 def pack_quantized(model: nn.Module, grids: dict[str, Grid], scheme: QuantScheme) -> dict[str, str]:
     """Swap each quantized Linear of `model` (named in `grids`, holding its dequantized weight) for
     its packed layer, on the weight's device; return {name: why} for those no kernel takes, which
     stay float."""
-
-    def layers() -> Iterator[Layer]:
-        for name, grid in grids.items():
-            linear = model.get_submodule(name)
-            groups = linear.weight.detach().float().unflatten(1, (-1, grid.group_size))
-            integers = scheme.integers(groups, grid.scale[..., None], grid.zero_point[..., None]).flatten(1)
-            bias = None if linear.bias is None else linear.bias.detach()
-            scale = grid.scale.to(scheme.scale_dtype)
-            yield name, integers.to(torch.int8), scale, grid.zero_point.to(torch.int8), scheme.bits, bias
-
-    unpacked = {}
-    for name, layer in pack_all(layers()):
+    unpacked, verdicts = {}, {}
+    for name, grid in grids.items():
+        linear = model.get_submodule(name)
+        groups = linear.weight.detach().float().unflatten(1, (-1, grid.group_size))
+        integers = scheme.integers(groups, grid.scale[..., None], grid.zero_point[..., None]).flatten(1)
+        bias = None if linear.bias is None else linear.bias.detach()
+        scale, zero_point = grid.scale.to(scheme.scale_dtype), grid.zero_point.to(torch.int8)
+        layer = pack_checked(verdicts, integers.to(torch.int8), scale, zero_point, scheme.bits, bias)
         if isinstance(layer, str):
             unpacked[name] = layer
         else:
