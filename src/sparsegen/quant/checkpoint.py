@@ -192,7 +192,7 @@ def packed_state(
     float weight instead, with why."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    from sparsegen.quant.packed import dequantized, pack_checked
+    from sparsegen.quant.packed import dequantized, pack_linear
 
     parsed = _parse(config)
     floats, layers, unpacked, verdicts = _float_tensors(state), {}, {}, {}
@@ -207,7 +207,7 @@ def packed_state(
             zero_point = unpack_from_int32(state[f"{module}.weight_zero_point"], bits, zp_shape, packed_dim=0)
         bias = floats.get(f"{module}.bias")
         grid = (t.to(device) for t in (integers, scale, zero_point))
-        layer = pack_checked(verdicts, *grid, bits, None if bias is None else bias.to(device, dtype))
+        layer = pack_linear(*grid, bits, None if bias is None else bias.to(device, dtype), verdicts)
         if isinstance(layer, str):
             floats[f"{module}.weight"] = dequantized(integers, scale, zero_point)
             unpacked[module] = layer

@@ -15,7 +15,7 @@ run on, since each kernel wants its own layout:
 The kernels take bf16 activations (the CPU's are vectorized for bf16 only: fp32 or fp16 inputs ran
 5-20x slower), so a packed layer casts its input to bf16 and its output back. Layouts no kernel
 takes come back as ordinary float Linears, and the caller says so once; so does a kernel whose
-first product disagrees with the dequantized weight (`pack_checked`), a guard against a layout that a
+first product disagrees with the dequantized weight (`pack_linear`'s `verdicts`), a guard against a layout that a
 PyTorch release changed.
 """
 
@@ -97,9 +97,12 @@ def pack_linear(
     zero_point: torch.Tensor,
     bits: int,
     bias: torch.Tensor | None = None,
+    verdicts: dict[type, str | None] | None = None,
 ) -> PackedLinear | str:
     """The packed layer for signed `integers` [out, in] with `scale` and `zero_point` [out, groups],
-    packed for the integers' device, or why no kernel takes this layout (the caller then dequantizes)."""
+    packed for the integers' device, or why no kernel takes this layout (the caller then dequantizes).
+    With `verdicts` (one dict per model), the first layer of each kernel is checked against its
+    dequantized weight: a kernel that disagrees leaves every one of its layers to the float path."""
     out_features, in_features = integers.shape
     group = in_features // scale.shape[1]
     zero_point = zero_point.float()
@@ -113,16 +116,22 @@ def pack_linear(
         if out_features % 16:
             return f"{out_features} outputs: the int4 kernel takes multiples of 16"
         repeat = group // kernel_group
-        scale = scale.float().repeat_interleave(repeat, 1)
-        offset = -zero_point.repeat_interleave(repeat, 1) * scale
+        group_scale = scale.float().repeat_interleave(repeat, 1)
+        offset = -zero_point.repeat_interleave(repeat, 1) * group_scale
         nibbles = (integers.to(torch.int32) + 8).contiguous()
         packed = _int4_tiles(nibbles) if device == "cuda" else torch._convert_weight_to_int4pack_for_cpu(nibbles, 1)
-        scale_and_offset = torch.stack([scale, offset], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
-        return Int4Linear(packed, scale_and_offset, kernel_group, in_features, bias)
-    if scale.shape[1] != 1:
+        scale_and_offset = torch.stack([group_scale, offset], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+        layer = Int4Linear(packed, scale_and_offset, kernel_group, in_features, bias)
+    elif scale.shape[1] != 1:
         return f"int{bits} with {scale.shape[1]} groups a row: the int8 kernel takes one scale a row (--group-size 0)"
-    offset = None if not zero_point.any() else (zero_point * scale.float())[:, 0].to(KERNEL_DTYPE)
-    return Int8Linear(integers.to(torch.int8).contiguous(), scale[:, 0].to(KERNEL_DTYPE), offset, bias)
+    else:
+        offset = None if not zero_point.any() else (zero_point * scale.float())[:, 0].to(KERNEL_DTYPE)
+        layer = Int8Linear(integers.to(torch.int8).contiguous(), scale[:, 0].to(KERNEL_DTYPE), offset, bias)
+    if verdicts is None:
+        return layer
+    if type(layer) not in verdicts:
+        verdicts[type(layer)] = _disagreement(layer, integers, scale, zero_point)
+    return verdicts[type(layer)] or layer
 
 
 def _int4_tiles(nibbles: torch.Tensor) -> torch.Tensor:
@@ -167,25 +176,6 @@ def say_unpacked(unpacked: dict[str, str]) -> None:
     )
 
 
-def pack_checked(
-    verdicts: dict[type, str | None],
-    integers: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    bits: int,
-    bias: torch.Tensor | None = None,
-) -> PackedLinear | str:
-    """`pack_linear`, the first layer of each kernel checked against its dequantized weight (the
-    verdict kept in `verdicts`, one dict per model): a kernel that disagrees leaves every one of
-    its layers to the float path, with why."""
-    layer = pack_linear(integers, scale, zero_point, bits, bias)
-    if isinstance(layer, str):
-        return layer
-    if type(layer) not in verdicts:
-        verdicts[type(layer)] = _disagreement(layer, integers, scale, zero_point)
-    return verdicts[type(layer)] or layer
-
-
 def pack_quantized(model: nn.Module, grids: dict[str, Grid], scheme: QuantScheme) -> dict[str, str]:
     """Swap each quantized Linear of `model` (named in `grids`, holding its dequantized weight) for
     its packed layer, on the weight's device; return {name: why} for those no kernel takes, which
@@ -197,7 +187,7 @@ def pack_quantized(model: nn.Module, grids: dict[str, Grid], scheme: QuantScheme
         integers = scheme.integers(groups, grid.scale[..., None], grid.zero_point[..., None]).flatten(1)
         bias = None if linear.bias is None else linear.bias.detach()
         scale, zero_point = grid.scale.to(scheme.scale_dtype), grid.zero_point.to(torch.int8)
-        layer = pack_checked(verdicts, integers.to(torch.int8), scale, zero_point, scheme.bits, bias)
+        layer = pack_linear(integers.to(torch.int8), scale, zero_point, scheme.bits, bias, verdicts)
         if isinstance(layer, str):
             unpacked[name] = layer
         else:
