@@ -58,6 +58,14 @@ def _snapkv_scores(scores, received, cache):
         scores[pos] = sum(summed[j] for j in range(i - half, i + half + 1) if 0 <= j < len(order)) / (2 * half + 1)
 
 
+def _keydiff_scores(scores, received, cache):
+    """Minus each key's cosine to the mean of the held keys' unit vectors."""
+    units = {pos: cache.key_of(pos).double() / cache.key_of(pos).double().norm() for pos in scores}
+    anchor = sum(units.values()) / len(units)
+    for pos, unit in units.items():
+        scores[pos] = -float(unit @ anchor / anchor.norm())
+
+
 def _recent(pos, cache):
     return pos >= cache.length - cache.sizes.get("recent", 0)
 
@@ -102,6 +110,18 @@ TABLE: dict[str, Row] = {
         Ref(lambda pos, score, key, cache: score, _last_query),
     ),
     "snapkv": Row(
+        {"heavy": 3, "recent": 3},
+        {"heavy": 500, "recent": 8},
+        lambda s, h, r: {"heavy": h, "recent": r},
+        Ref(lambda pos, score, key, cache: math.inf if _recent(pos, cache) else score, _snapkv_scores, True),
+    ),
+    "keydiff": Row(
+        {"heavy": 5},
+        {"heavy": 500},
+        lambda s, h, r: {"heavy": h + r},
+        Ref(lambda pos, score, key, cache: score, _keydiff_scores, True),
+    ),
+    "pyramidkv": Row(  # one layer here: SnapKV's choice (the layer budgets are tested on models)
         {"heavy": 3, "recent": 3},
         {"heavy": 500, "recent": 8},
         lambda s, h, r: {"heavy": h, "recent": r},
@@ -162,6 +182,7 @@ class ReferenceCache:
                         for k, w in zip(visible, weights, strict=True):
                             row[k] += w / total
                     received.append(row)
+                self.key_of = lambda pos, b=b, h=h: keys[b, h, pos]
                 self.ref.update(scores, received, self)
                 while len(kept) > self.budget:
                     victim = min(kept, key=lambda k: self.ref.priority(k, scores[k], keys[b, h, k], self))

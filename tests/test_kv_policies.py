@@ -4,13 +4,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessorList
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyLayer, make_cache, make_policy
 from sparsegen.kv.rope import KeyRotation
-from tests.conftest import PhysicalLengthRecorder, build_tiny
+from tests.conftest import COMMON, PhysicalLengthRecorder, build_tiny
 from tests.kv_reference import EVICTING, TABLE, ReferenceCache
 
 B, HKV, GROUP, D = 2, 2, 2, 8
@@ -135,7 +135,12 @@ def test_generate_keeps_physical_length_within_budget(arch, policy):
     )
     lengths = [n if isinstance(n, int) else max(n) for n in recorder.lengths]
     if not TABLE[policy].bounded:  # compressed once after the prompt, then every new token is kept
-        assert lengths == [budget + step for step in range(40)]
+        layers = cache.policy_layers()
+        assert [layer.size for layer in layers] == [layer.sizes.budget + 39 for layer in layers]
+        if arch != "gemma3":  # every layer holds a policy: the layers' budgets average the budget
+            assert sum(layer.sizes.budget for layer in layers) == budget * len(layers)
+        if policy != "pyramidkv":
+            assert lengths == [budget + step for step in range(40)]
         return
     assert len(lengths) == 40 and max(lengths) <= budget
     for layer in cache.policy_layers():
@@ -145,6 +150,18 @@ def test_generate_keeps_physical_length_within_budget(arch, policy):
             assert held[0, 0].tolist() == list(range(69 - 16, 69))
         if policy == "streaming":
             assert held[0, 0].tolist() == [0, 1, 2, 3, *range(69 - 12, 69)]
+
+
+def test_pyramidkv_budgets_shrink_with_depth_and_hold_their_bytes():
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 5})).eval()
+    ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(1))
+    cache = make_cache(model, "pyramidkv", heavy=96, recent=4)
+    model(ids, cache=cache)
+    sizes = [layer.size for layer in cache.policy_layers()]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1]
+    assert sum(sizes) == 100 * 5
+    per_token = 2 * COMMON["num_key_value_heads"] * (COMMON["hidden_size"] // COMMON["num_attention_heads"]) * 4
+    assert cache.kv_bytes() == sum(sizes) * per_token
 
 
 @pytest.mark.parametrize("policy", EVICTING)

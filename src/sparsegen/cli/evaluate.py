@@ -17,9 +17,11 @@ from sparsegen.cli.common import (
     err,
     eval_app,
     out,
+    parse_floats,
     reads_from_disk,
     registered_names,
 )
+from sparsegen.errors import SparsegenError
 
 
 @eval_app.command("prune-quality")
@@ -129,6 +131,59 @@ def eval_needle(
     columns = [("policy", "policy"), ("budget", "budget"), *[(f"{d:.0%}", f"{d:.0%}") for d in depth_list]]
     out.print(markdown_table(table_rows, columns))
     out.print(f"wrote {out_dir}/needle.json and {out_dir}/needle.png")
+
+
+@eval_app.command("ruler")
+def eval_ruler(
+    model: str = ModelOpt,
+    tasks: str = typer.Option("all", "--tasks", help="RULER tasks, comma-separated [default: all 13]."),
+    lengths: str = typer.Option("4096", "--lengths", help="Sequence lengths in the model's tokens, comma-separated."),
+    samples: int = typer.Option(5, "--samples", help="Samples per task and length."),
+    policies: str = typer.Option(",".join(METHODS["policies"]), "--policies", help=POLICY_HELP),
+    ratios: str = typer.Option("0.25,0.5,0.75,0.875", "--ratios", help="Compression ratios (share evicted)."),
+    protocol: str = typer.Option("query-agnostic", "--protocol", help="query-agnostic or query-aware."),
+    haystack: Path | None = typer.Option(None, "--haystack", help="A text file to use instead of the essays."),
+    seed: int = typer.Option(42, "--seed", help="The generators' random seed."),
+    separate_prefill: bool = typer.Option(
+        False,
+        "--separate-prefill",
+        help="Read each context once per policy x ratio (checks and times the shared read).",
+    ),
+    out_dir: Path = typer.Option(Path("results/ruler"), "--out"),
+    device: str | None = DeviceOpt,
+) -> None:
+    """RULER accuracy per KV policy and compression ratio, the full cache in the same run (resumable)."""
+    from sparsegen.eval.ruler import RulerSettings, plot, ruler_job, summary
+    from sparsegen.eval.ruler_data import check_tasks, task_table
+    from sparsegen.ioutil import write_text
+    from sparsegen.loading import load
+    from sparsegen.report import markdown_table, table
+
+    if haystack is not None and not haystack.is_file():
+        raise SparsegenError(f"--haystack {haystack}: no such file; give a plain-text file")
+    names = list(task_table()) if tasks == "all" else check_tasks([t.strip() for t in tasks.split(",") if t.strip()])
+    settings = RulerSettings(
+        model=model,
+        tasks=tuple(names),
+        lengths=tuple(int(n) for n in lengths.split(",")),
+        samples=samples,
+        policies=tuple(registered_names(policies, METHODS["policies"], "KV policy")),
+        ratios=tuple(parse_floats(ratios)),
+        protocol=protocol,
+        seed=seed,
+        haystack=None if haystack is None else str(haystack.resolve()),
+        separate_prefill=separate_prefill,
+    )
+    loaded, tokenizer = load(model, device=device)
+    records = ruler_job(loaded, tokenizer, settings, out_dir)
+    report = []
+    for length, rows in summary(records).items():
+        columns = [("policy", "policy"), ("ratio", "ratio"), *[(t, t) for t in names], ("average", "average")]
+        out.print(table(rows, columns, title=f"RULER at {length} tokens · {model} · {protocol}"))
+        report.append(f"## {length} tokens\n\n{markdown_table(rows, columns)}")
+        plot(rows, out_dir / f"ruler_{length}.png", f"RULER at {length} tokens, {model} ({protocol})")
+    write_text(out_dir / "results.md", "\n".join(report))
+    out.print(f"wrote {out_dir}/results.json, results.md and ruler_<length>.png")
 
 
 @eval_app.command("zeroshot")

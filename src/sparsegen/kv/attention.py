@@ -44,6 +44,16 @@ def _hand_policy_layer(module: torch.nn.Module, args: tuple, kwargs: dict) -> tu
     return None if layer is None else (args, {**kwargs, "policy_layer": layer})
 
 
+def _fit_mask(mask: torch.Tensor, keys: int, queries: int) -> torch.Tensor:
+    """The model's one mask, cut to this layer's `keys` held keys when layers hold different counts
+    (PyramidKV): every held key is in the past of every new query, so the held part is one visible
+    column repeated and only the last `queries` columns (causal among the new tokens) differ."""
+    if mask.shape[-1] == keys or keys < queries:
+        return mask
+    held = mask[..., :1].expand(*mask.shape[:-1], keys - queries)
+    return torch.cat([held, mask[..., -queries:]], dim=-1)
+
+
 def _make_attention(base):
     def attention(module, query, key, value, attention_mask, scaling=None, static_kv=None, policy_layer=None, **kwargs):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -51,6 +61,8 @@ def _make_attention(base):
             state = static_kv.layers[module.layer_idx]
             state.write(key, value, static_kv.seen - 1)
             return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
+        if policy_layer is not None and attention_mask is not None:
+            attention_mask = _fit_mask(attention_mask, key.shape[-2], query.shape[-2])
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if policy_layer is not None:
             if policy_layer.check_padding:

@@ -37,10 +37,16 @@ class PolicyLayer(CacheLayerMixin):
     _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys")
 
     def __init__(
-        self, policy: Policy, rotation: KeyRotation | None = None, layer_idx: int | None = None, pinned: int = 0
+        self,
+        policy: Policy,
+        rotation: KeyRotation | None = None,
+        layer_idx: int | None = None,
+        pinned: int = 0,
+        layers: int = 1,
     ) -> None:
         super().__init__()
         self.policy = policy
+        self.layers = layers
         self.pinned = pinned
         self.layer_idx = layer_idx
         self.awaiting_attention = False
@@ -91,9 +97,11 @@ class PolicyLayer(CacheLayerMixin):
         return self._keys_for_attention(), self.values[:, :, : self.size]
 
     def _resolve_sizes(self, prompt_length: int) -> Sizes | None:
-        """The policy's budget for the first prompt after the pinned prefix, which comes on top
-        (kept as sinks)."""
+        """The policy's budget for this layer and the first prompt after the pinned prefix, which
+        comes on top (kept as sinks)."""
         sizes = self.policy.sizes(prompt_length)
+        if sizes is not None:
+            sizes = self.policy.layer_sizes(sizes, prompt_length, self.layer_idx or 0, self.layers)
         if sizes is None or not self.pinned:
             return sizes
         return Sizes(sizes.sinks + self.pinned, sizes.heavy, sizes.recent)
@@ -229,10 +237,14 @@ class PolicyLayer(CacheLayerMixin):
         self.scores[:, :, size : size + n] = 0.0
         self.size = size + n
 
-    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, weights=None) -> None:
+    def after_attention(
+        self, query: torch.Tensor, keys: torch.Tensor, scaling: float, weights=None, received: dict | None = None
+    ) -> None:
         """Let the policy update its scores from this attention call, then evict down to the budget.
 
         A prefill-only policy compresses once, after the first call, and keeps every later token.
+        `received` shares `Step.received`'s results between policies replaying one recorded call
+        (`kv.shared`); it must belong to these very queries and keys.
         """
         self.awaiting_attention = False
         if self.compressed:
@@ -249,6 +261,7 @@ class PolicyLayer(CacheLayerMixin):
             new=self.new_tokens,
             sizes=self.sizes,
             weights=weights,
+            _received={} if received is None else received,
         )
         scores = self.policy.score(step)
         if scores is not None:

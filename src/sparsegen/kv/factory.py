@@ -26,6 +26,7 @@ def make_cache(
     position: str | None = None,
     budget: int | None = None,
     pinned: int = 0,
+    layer_class: type[PolicyLayer] = PolicyLayer,
     **parts: int | float,
 ) -> PolicyCache:
     """A `Cache` for `model.generate(..., cache=cache)` that applies a KV policy.
@@ -35,7 +36,8 @@ def make_cache(
     `recent=`; ints are counts, floats < 1 ratios of the prompt). `position` is "original" (keys
     keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
     the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
-    never evicted and come on top of the budget. Full-attention layers get the policy; sliding-window layers (Gemma
+    never evicted and come on top of the budget. `layer_class` is the class of the policy layers
+    (`kv.shared` records the prefill with its own). Full-attention layers get the policy; sliding-window layers (Gemma
     3) keep their own window. The model is switched to sparsegen's wrapper of its attention
     implementation (same numbers), which is how eviction follows each attention call;
     `sparsegen.kv.attention.restore_attention(model)` switches it back.
@@ -59,9 +61,10 @@ def make_cache(
         raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
     rotation = KeyRotation(inv_freq) if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
-    for index, layer_type in enumerate(_layer_types(model.config)):
+    types = _layer_types(model.config)
+    for index, layer_type in enumerate(types):
         if layer_type == "full_attention":
-            layers.append(PolicyLayer(policy, rotation, layer_idx=index, pinned=pinned))
+            layers.append(layer_class(policy, rotation, layer_idx=index, pinned=pinned, layers=len(types)))
         elif layer_type == "sliding_attention":
             from transformers.cache_utils import DynamicSlidingWindowLayer
 

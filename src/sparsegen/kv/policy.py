@@ -191,6 +191,11 @@ class Policy(ABC):
         counts = {p: _resolve(getattr(self, p), prompt_length) for p in self.budget_parts()}
         return dataclasses.replace(self, **counts) if counts else self
 
+    def layer_sizes(self, sizes: Sizes, prompt_length: int, layer: int, layers: int) -> Sizes:
+        """The budget of layer `layer` of `layers` (PyramidKV's shrink with depth); the same
+        `sizes` in every layer by default."""
+        return sizes
+
     def score(self, step: Step) -> torch.Tensor | None:
         """The running scores after this step ([b, h, n]), or None if the policy keeps none."""
         return None

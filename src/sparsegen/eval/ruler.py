@@ -1,0 +1,208 @@
+"""RULER accuracy per KV policy and compression ratio, as kvpress's leaderboard measures it.
+
+Each sample's context is read once (`kv.shared.SharedPrefill`); every policy x ratio then gets the
+cache it would have made reading that context itself, and the question and answer are decoded
+over what it kept (one batch per policy, a row per ratio). A compression ratio is the share of
+the tokens read before the question that is evicted (kvpress's `compression_ratio`): the policy's
+budget is the rest, at least one token. Protocols: `query-agnostic` compresses the context before
+the question is read (kvpress's leaderboard); `query-aware` reads the question with the context,
+then compresses. Scores are RULER's own metrics, on predictions cleaned as RULER does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sparsegen.errors import SparsegenError
+from sparsegen.eval.ruler_data import RulerSample, make_samples, task_table
+from sparsegen.ioutil import write_json
+
+PROTOCOLS = ("query-agnostic", "query-aware")
+DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+@dataclass(frozen=True)
+class RulerSettings:
+    """What a run measures: a second run with the same settings resumes the first."""
+
+    model: str
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    samples: int
+    policies: tuple[str, ...]
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    protocol: str = "query-agnostic"
+    seed: int = 42
+    haystack: str | None = None
+    separate_prefill: bool = False
+    """Read the context again for every policy x ratio (to check and time the shared prefill)."""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise SparsegenError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if not all(0 < ratio < 1 for ratio in self.ratios):
+            raise SparsegenError(f"compression ratios must be in (0, 1), got {list(self.ratios)}")
+        if self.samples < 1:
+            raise SparsegenError(f"--samples must be >= 1, got {self.samples}")
+
+
+def kept_tokens(read: int, ratio: float) -> int:
+    """The budget of a policy evicting `ratio` of `read` tokens (kvpress's n_kept)."""
+    return max(1, int(read * (1 - ratio)))
+
+
+def clean(prediction: str) -> str:
+    """A prediction as RULER scores it: stripped, control characters turned into line breaks."""
+    return _CONTROL.sub("\n", prediction.strip()).strip()
+
+
+def _cells(settings: RulerSettings) -> list[tuple[str, float]]:
+    return [("full", 0.0)] + [(p, r) for p in settings.policies if p != "full" for r in settings.ratios]
+
+
+def _read_alone(model, context: list[int], policy):
+    from sparsegen.kv import make_cache
+    from sparsegen.kv.stream import read
+
+    cache = make_cache(model, policy.resolved(len(context)))
+    read(model, context, cache)
+    return cache
+
+
+def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings) -> list[dict]:
+    """Every policy x ratio on one sample, from one prefill of its context."""
+    from sparsegen.decode import generate
+    from sparsegen.kv import make_policy
+    from sparsegen.kv.shared import SharedPrefill
+    from sparsegen.sampling import stop_tokens
+
+    context = tokenizer(sample.context, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+    question = tokenizer(sample.question, add_special_tokens=False)["input_ids"]
+    if settings.protocol == "query-aware":
+        context, question = context + question[:-1], question[-1:]
+    setting = task_table()[sample.task]
+    stops = stop_tokens(model, tokenizer)
+    started = time.perf_counter()
+    shared = None if settings.separate_prefill else SharedPrefill(model, context)
+    prefill_s = time.perf_counter() - started
+    by_policy: dict[str, list[float]] = defaultdict(list)
+    for name, ratio in _cells(settings):
+        by_policy[name].append(ratio)
+    records = []
+    for name, ratios in by_policy.items():
+        policies = [make_policy(name, **({"budget": kept_tokens(len(context), r)} if r else {})) for r in ratios]
+        began = time.perf_counter()
+        caches = [
+            _read_alone(model, context, p) if settings.separate_prefill else shared.cache_for(p) for p in policies
+        ]
+        made = generate(
+            model,
+            [question] * len(policies),
+            setting["tokens_to_generate"],
+            policies[0],
+            compile="never",
+            eos_token_id=stops,
+            held=caches,
+        )
+        seconds = time.perf_counter() - began
+        for ratio, policy, tokens in zip(ratios, policies, made.tokens, strict=True):
+            prediction = tokenizer.decode(tokens, skip_special_tokens=True)
+            score = setting["metric"]([clean(prediction)], [sample.references])[0]
+            records.append(
+                {
+                    "task": sample.task,
+                    "length": sample.length,
+                    "index": sample.index,
+                    "policy": name,
+                    "ratio": ratio,
+                    "budget": None if name == "full" else kept_tokens(len(context), ratio),
+                    "setting": policy.describe(),
+                    "protocol": settings.protocol,
+                    "context_tokens": len(context),
+                    "prediction": prediction,
+                    "score": score,
+                    "decode_s": seconds / len(ratios),
+                    "prefill_s": prefill_s,
+                }
+            )
+    return records
+
+
+def ruler_job(model, tokenizer, settings: RulerSettings, out: Path, progress: bool = True) -> list[dict]:
+    """Score every sample of every task and length, resuming from `out/results.json` (written
+    atomically after each sample): `samples` holds each sample's prompt and references, `records`
+    each (sample, policy, ratio)'s prediction and score."""
+    from tqdm.auto import tqdm
+
+    path = out / "results.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if saved.get("settings") != json.loads(json.dumps(asdict(settings))):  # as JSON keeps it: lists
+        saved = {}
+    records, prompts = saved.get("records", []), saved.get("samples", [])
+    done = {(r["task"], r["length"], r["index"]) for r in records}
+    haystack = Path(settings.haystack) if settings.haystack else None
+    samples = [
+        sample
+        for length in settings.lengths
+        for task in settings.tasks
+        for sample in make_samples(tokenizer, task, length, settings.samples, settings.seed, out, haystack)
+    ]
+    todo = [s for s in samples if (s.task, s.length, s.index) not in done]
+    cells = len(_cells(settings))
+    with tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample", disable=not progress) as bar:
+        for sample in todo:
+            bar.set_description(f"{sample.task} @ {sample.length} ({cells} cells)")
+            started = time.perf_counter()
+            records += score_sample(model, tokenizer, sample, settings)
+            prompts.append(
+                {
+                    "task": sample.task,
+                    "length": sample.length,
+                    "index": sample.index,
+                    "prompt": sample.context + sample.question,
+                    "references": sample.references,
+                    "seconds": time.perf_counter() - started,
+                }
+            )
+            write_json(path, {"settings": asdict(settings), "samples": prompts, "records": records})
+            bar.update()
+    return records
+
+
+def summary(records: list[dict]) -> dict[int, list[dict]]:
+    """Per length, one row per (policy, ratio): the mean score per task and over tasks."""
+    scores: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        scores[(r["length"], r["policy"], r["ratio"], r["task"])].append(r["score"])
+    tables: dict[int, dict[tuple, dict]] = defaultdict(dict)
+    for (length, policy, ratio, task), values in scores.items():
+        row = tables[length].setdefault((policy, ratio), {"policy": policy, "ratio": ratio})
+        row[task] = sum(values) / len(values)
+    out = {}
+    for length, rows in sorted(tables.items()):
+        for row in rows.values():
+            tasks = [v for k, v in row.items() if k not in ("policy", "ratio")]
+            row["average"] = sum(tasks) / len(tasks)
+        out[length] = sorted(rows.values(), key=lambda row: (row["policy"] != "full", row["policy"], row["ratio"]))
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Average score against compression ratio, one line per policy, the full cache as a level line."""
+    from sparsegen.report import plot_lines
+
+    ratios = sorted({row["ratio"] for row in rows if row["policy"] != "full"})
+    full = next((row["average"] for row in rows if row["policy"] == "full"), None)
+    series = {}
+    for policy in dict.fromkeys(row["policy"] for row in rows if row["policy"] != "full"):
+        points = sorted((row["ratio"], row["average"]) for row in rows if row["policy"] == policy)
+        series[policy] = ([x for x, _ in points], [y for _, y in points])
+    if full is not None and ratios:
+        series["full cache"] = (ratios, [full] * len(ratios))
+    plot_lines(series, path, "compression ratio (share of the context evicted)", "RULER score (average)", title)

@@ -1,0 +1,71 @@
+"""One prefill, many policies: read a context once, then hand each policy the cache it would have
+made reading that context itself.
+
+When a context is read in one forward, a policy layer evicts only after its attention call, and
+the next layer's input is that attention over the whole context: every layer's queries, keys and
+values of the context are the same whatever the policy. So they are recorded once (under the full
+cache) and each policy's scoring and eviction is replayed on the record, through the same
+`PolicyLayer` code a separate run goes through: the same cache, bit for bit, for the cost of the
+scoring alone. What several policies score with (the attention each key received from the last
+`n` queries: H2O, TOVA, SnapKV, ...) is computed once per layer and shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsegen.kv.cache import PolicyCache, PolicyLayer, _layer_state, _load_layer_state
+from sparsegen.kv.factory import make_cache
+from sparsegen.kv.policy import Policy
+from sparsegen.kv.stream import read
+
+
+@dataclass
+class Recorded:
+    """One layer's attention call over the context: what `PolicyLayer.after_attention` is handed."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scaling: float
+    weights: torch.Tensor | None
+    received: dict = field(default_factory=dict)
+
+
+class RecordingLayer(PolicyLayer):
+    """A policy layer that keeps what its last attention call handed it (under `full`, everything)."""
+
+    recorded: Recorded | None = None
+
+    def after_attention(self, query, keys, scaling, weights=None, received=None) -> None:
+        self.recorded = Recorded(query, keys, self.values[:, :, : self.size], scaling, weights)
+        super().after_attention(query, keys, scaling, weights, received)
+
+
+class SharedPrefill:
+    """The context `ids` read once; `cache_for(policy)` is that policy's cache after reading it.
+
+    `logits` are the last context token's next-token logits.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, model: torch.nn.Module, ids: list[int]) -> None:
+        self.model = model
+        self.length = len(ids)
+        self.record = make_cache(model, "full", layer_class=RecordingLayer)
+        self.logits = read(model, ids, self.record)
+
+    @torch.inference_mode()
+    def cache_for(self, policy: Policy, position: str | None = None) -> PolicyCache:
+        """A new cache, as `read(model, ids, make_cache(model, policy, position))` leaves it."""
+        cache = make_cache(self.model, policy.resolved(self.length), position=position)
+        for layer, source in zip(cache.layers, self.record.layers, strict=True):
+            if isinstance(layer, PolicyLayer):
+                call = source.recorded
+                keys, _ = layer.update(call.keys, call.values)
+                layer.after_attention(call.query, keys, call.scaling, call.weights, call.received)
+            else:  # a sliding-window layer (Gemma 3) keeps its own window (replaced, never written in place)
+                _load_layer_state(layer, _layer_state(source))
+        return cache

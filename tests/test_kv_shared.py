@@ -1,0 +1,61 @@
+"""One prefill, many policies: a replayed cache equals the cache a policy makes reading alone."""
+
+import pytest
+import torch
+
+from sparsegen.decode import generate
+from sparsegen.kv import PolicyLayer, make_cache, make_policy
+from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv.stream import read
+from tests.conftest import ARCHS, build_tiny
+from tests.kv_reference import TABLE
+
+
+def _same_layers(replayed, alone) -> None:
+    for mine, theirs in zip(replayed.layers, alone.layers, strict=True):
+        if not isinstance(mine, PolicyLayer):
+            assert torch.equal(mine.keys, theirs.keys) and mine.cumulative_length == theirs.cumulative_length
+            continue
+        assert (mine.size, mine.cumulative_length, mine.compressed) == (
+            theirs.size,
+            theirs.cumulative_length,
+            theirs.compressed,
+        )
+        assert torch.equal(mine.held_positions(), theirs.held_positions())
+        held = slice(0, mine.size + (mine.hole is not None))
+        for name in ("keys", "values", "positions", "scores"):
+            assert torch.equal(getattr(mine, name)[:, :, held], getattr(theirs, name)[:, :, held]), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_replayed_caches_equal_separate_reads_for_every_policy(arch, attn):
+    model = build_tiny(arch, attn)
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    shared = SharedPrefill(model, ids)
+    for name in TABLE:
+        for budget in (8, 20):
+            policy = make_policy(name, budget=budget) if name != "full" else make_policy(name)
+            replayed = shared.cache_for(policy)
+            alone = make_cache(model, policy.resolved(len(ids)))
+            logits = read(model, ids, alone)
+            assert torch.equal(logits, shared.logits)
+            _same_layers(replayed, alone)
+            question = [5, 6, 7]
+            mine = generate(model, [question], 6, policy, compile="never", held=[replayed]).tokens
+            theirs = generate(model, [question], 6, policy, compile="never", held=[alone]).tokens
+            assert mine == theirs, (name, budget)
+
+
+def test_rows_of_different_budgets_decode_as_their_single_runs():
+    """The RULER job decodes one policy's ratios as rows of one batch."""
+    model = build_tiny("llama")
+    ids = torch.randint(3, 96, (48,), generator=torch.Generator().manual_seed(5)).tolist()
+    shared = SharedPrefill(model, ids)
+    policies = [make_policy("h2o", budget=b) for b in (6, 12, 24)]
+    batch = generate(
+        model, [[9, 10]] * 3, 8, policies[0], compile="never", held=[shared.cache_for(p) for p in policies]
+    )
+    for policy, tokens in zip(policies, batch.tokens, strict=True):
+        single = generate(model, [[9, 10]], 8, policy, compile="never", held=[shared.cache_for(policy)])
+        assert single.tokens[0] == tokens

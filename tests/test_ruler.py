@@ -1,0 +1,87 @@
+"""`sparsegen eval ruler`: RULER's generators and metrics, one prefill per sample, resuming."""
+
+import json
+import shutil
+
+import pytest
+
+from sparsegen.eval import ruler
+from sparsegen.eval.ruler import RulerSettings, clean, kept_tokens, ruler_job
+from sparsegen.eval.ruler_data import make_samples, task_table
+from tests.conftest import build_tiny, tiny_tokenizer
+from tests.test_cli import run_cli
+
+POLICIES = ("full", "streaming", "h2o", "snapkv", "keydiff", "pyramidkv")
+
+
+def _settings(**changes) -> RulerSettings:
+    base = dict(
+        model="tiny", tasks=("niah_single_1",), lengths=(400,), samples=2, policies=POLICIES, ratios=(0.5, 0.75)
+    )
+    return RulerSettings(**{**base, **changes})
+
+
+def test_rulers_thirteen_tasks_and_metrics_come_from_its_package():
+    table = task_table()
+    assert len(table) == 13 and {"niah_single_1", "vt", "cwe", "fwe", "qa_2"} <= set(table)
+    assert table["niah_multivalue"]["args"]["num_needle_v"] == 4
+    assert table["vt"]["metric"](["X1 and X2"], [["x1", "x2", "x3"]]) == [pytest.approx(200 / 3)]
+    assert table["qa_1"]["metric"](["Paris"], [["paris", "rome"]]) == [100.0]
+    assert clean("  7 \x01 8\n") == "7 \n 8" and kept_tokens(1000, 0.75) == 250 and kept_tokens(3, 0.9) == 1
+
+
+def test_samples_split_where_rulers_template_puts_the_question(tmp_path):
+    tokenizer = tiny_tokenizer()
+    samples = make_samples(tokenizer, "niah_single_1", 400, 2, 42, tmp_path)
+    assert len(samples) == 2 and samples[0].references != samples[1].references
+    for sample in samples:
+        assert sample.question.startswith("What is the special magic number for")
+        assert sample.question.endswith("mentioned in the provided text is") and " w4 " in sample.question
+        assert "The grass is green" in sample.context and sample.references[0] in sample.context
+        assert sample.generator_length <= 400
+    again = make_samples(tokenizer, "niah_single_1", 400, 2, 42, tmp_path)  # read back, not generated
+    assert again == samples
+
+
+def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, monkeypatch):
+    model, tokenizer = build_tiny("llama"), tiny_tokenizer()
+    settings = _settings()
+    records = ruler_job(model, tokenizer, settings, tmp_path / "shared", progress=False)
+    cells = 1 + (len(POLICIES) - 1) * 2
+    assert len(records) == 2 * cells
+    assert {(r["policy"], r["ratio"]) for r in records} == {("full", 0.0)} | {
+        (p, r) for p in POLICIES[1:] for r in (0.5, 0.75)
+    }
+    for r in records:
+        assert r["budget"] is None or r["budget"] == kept_tokens(r["context_tokens"], r["ratio"])
+        assert 0 <= r["score"] <= 100
+    saved = json.loads((tmp_path / "shared" / "results.json").read_text())
+    assert len(saved["samples"]) == 2 and all(s["references"] and s["prompt"] for s in saved["samples"])
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished sample was scored again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ruler, "score_sample", fail)
+        assert ruler_job(model, tokenizer, settings, tmp_path / "shared", progress=False) == records
+
+    shutil.copytree(tmp_path / "shared" / "samples", tmp_path / "alone" / "samples")
+    alone = ruler_job(model, tokenizer, _settings(separate_prefill=True), tmp_path / "alone", progress=False)
+    assert [(r["policy"], r["ratio"], r["prediction"]) for r in alone] == [
+        (r["policy"], r["ratio"], r["prediction"]) for r in records
+    ]
+
+
+def test_eval_ruler_command_writes_table_plot_and_json(monkeypatch, capsys, tiny_folder, tmp_path):
+    args = ["eval", "ruler", "--model", tiny_folder, "--tasks", "niah_single_1", "--lengths", "400"]
+    args += ["--samples", "1", "--policies", "full,tova", "--ratios", "0.5", "--out", tmp_path]
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, err
+    assert "RULER at 400 tokens" in out and "tova" in out
+    assert (tmp_path / "ruler_400.png").stat().st_size > 0 and "| tova | 0.500 |" in (
+        tmp_path / "results.md"
+    ).read_text()
+    code, _, err = run_cli(monkeypatch, capsys, *args, "--protocol", "query-first")
+    assert code == 2 and "--protocol must be one of" in err and "Traceback" not in err
+    code, _, err = run_cli(monkeypatch, capsys, "eval", "ruler", "--model", tiny_folder, "--tasks", "niah_9")
+    assert code == 2 and "unknown RULER task niah_9" in err
