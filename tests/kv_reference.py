@@ -66,6 +66,52 @@ def _keydiff_scores(scores, received, cache):
         scores[pos] = -float(unit @ anchor / anchor.norm())
 
 
+HEAD_DIM = 8  # the driven keys' and queries' size (tests/test_kv_policies.py)
+INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
+
+
+def _rope_matrix(position: float) -> torch.Tensor:
+    """RoPE at `position` as an explicit matrix (half-split layout: dims i and i + d/2 turn together)."""
+    half = HEAD_DIM // 2
+    matrix = torch.zeros(HEAD_DIM, HEAD_DIM, dtype=torch.float64)
+    for i in range(half):
+        angle = position * float(INV_FREQ[i])
+        matrix[i, i] = matrix[i + half, i + half] = math.cos(angle)
+        matrix[i, i + half], matrix[i + half, i] = -math.sin(angle), math.sin(angle)
+    return matrix
+
+
+def _expected_attention_scores(scores, received, cache):
+    """Each key's attention under a Gaussian model of the group's queries (before RoPE, sinks left
+    out), turned by RoPE's mean rotation over the next `future` positions; times the value's norm."""
+    settings = {"future": 512, "covariance": True, "value_norm": True, "epsilon": 0.0, **cache.settings}
+    sinks, scale = cache.sizes.get("sinks", 0), HEAD_DIM**-0.5
+    future = range(cache.length, cache.length + settings["future"])
+    turn = sum(_rope_matrix(t) for t in future) / len(future)
+    counted = [i for i, p in enumerate(cache.new_positions) if p >= sinks] or range(len(cache.new_positions))
+    weights = {pos: 0.0 for pos in scores}
+    for group_queries in cache.new_queries():
+        pre = [_rope_matrix(-cache.new_positions[i]) @ group_queries[i] for i in counted]
+        mean = sum(pre) / len(pre)
+        spread = sum(torch.outer(q - mean, q - mean) for q in pre) / len(pre)
+        mean, spread = turn @ mean, turn @ spread @ turn.T
+        logits = {}
+        for pos in scores:
+            if pos >= sinks:
+                key = cache.key_of(pos).double()
+                quadratic = float(key @ spread @ key) if settings["covariance"] else 0.0
+                logits[pos] = float(key @ mean) * scale + 0.5 * scale**2 * quadratic
+        if not logits:  # nothing but sinks
+            continue
+        top = max(logits.values())
+        total = sum(math.exp(x - top) for x in logits.values())
+        for pos, x in logits.items():
+            weights[pos] += math.exp(x - top) / total / len(cache.new_queries())
+    for pos in scores:
+        norm = float(cache.value_of(pos).double().norm()) if settings["value_norm"] else 1.0
+        scores[pos] = (weights[pos] + settings["epsilon"]) * norm if settings["value_norm"] else weights[pos]
+
+
 def _recent(pos, cache):
     return pos >= cache.length - cache.sizes.get("recent", 0)
 
@@ -127,6 +173,12 @@ TABLE: dict[str, Row] = {
         lambda s, h, r: {"heavy": h, "recent": r},
         Ref(lambda pos, score, key, cache: math.inf if _recent(pos, cache) else score, _snapkv_scores, True),
     ),
+    "expected_attention": Row(
+        {"sinks": 1, "heavy": 4},
+        {"sinks": 4, "heavy": 500},
+        lambda s, h, r: {"sinks": s, "heavy": h + r},
+        Ref(lambda pos, score, key, cache: math.inf if _sink(pos, cache) else score, _expected_attention_scores, True),
+    ),
     "knorm": Row(
         {"heavy": 5},
         {"heavy": 500},
@@ -149,8 +201,9 @@ class ReferenceCache:
         self.length = 0
         self.steps = 0
 
-    def step(self, keys: torch.Tensor, queries: torch.Tensor) -> None:
-        """keys: the full table [b, hkv, T, d] (new ones included); queries [b, hq, n, d] of the new tokens."""
+    def step(self, keys: torch.Tensor, queries: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """keys (values): the full table [b, hkv, T, d] (new ones included); queries [b, hq, n, d] of
+        the new tokens."""
         b_count, hq, n, d = queries.shape
         hkv = keys.shape[1]
         group = hq // hkv
@@ -183,6 +236,11 @@ class ReferenceCache:
                             row[k] += w / total
                     received.append(row)
                 self.key_of = lambda pos, b=b, h=h: keys[b, h, pos]
+                self.value_of = lambda pos, b=b, h=h: values[b, h, pos]
+                self.new_positions = new
+                self.new_queries = lambda b=b, h=h: [
+                    [queries[b, h * group + g, i].double() for i in range(n)] for g in range(group)
+                ]
                 self.ref.update(scores, received, self)
                 while len(kept) > self.budget:
                     victim = min(kept, key=lambda k: self.ref.priority(k, scores[k], keys[b, h, k], self))

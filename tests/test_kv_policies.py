@@ -11,7 +11,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyLayer, make_cache, make_policy
 from sparsegen.kv.rope import KeyRotation
 from tests.conftest import COMMON, PhysicalLengthRecorder, build_tiny
-from tests.kv_reference import EVICTING, TABLE, ReferenceCache
+from tests.kv_reference import EVICTING, INV_FREQ, TABLE, ReferenceCache
 
 B, HKV, GROUP, D = 2, 2, 2, 8
 
@@ -24,13 +24,13 @@ def _drive(policy_name, parts, chunks, settings=None, seed=0):
     values = torch.randn(B, HKV, total, D, generator=gen)
     queries = torch.randn(B, HKV * GROUP, total, D, generator=gen)
     settings = settings or {}
-    layer = PolicyLayer(make_policy(policy_name, **parts, **settings))
+    layer = PolicyLayer(make_policy(policy_name, **parts, **settings), rope=KeyRotation(INV_FREQ.float()))
     ref = ReferenceCache(policy_name, parts, B, HKV, settings)
     start = 0
     for n in chunks:
         held_keys, _ = layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
         layer.after_attention(queries[:, :, start : start + n], held_keys, D**-0.5)
-        ref.step(keys, queries[:, :, start : start + n])
+        ref.step(keys, queries[:, :, start : start + n], values)
         start += n
         if TABLE[policy_name].bounded:
             assert layer.size <= ref.budget

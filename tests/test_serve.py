@@ -177,6 +177,14 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         assert response.status_code == 400 and _error(response)["param"] == "max_tokens"
     response = httpx.post(chat, json={"model": "tiny", "messages": user, "temperature": -1})
     assert response.status_code == 400 and _error(response)["param"] == "temperature"
+    response = httpx.post(chat, json={"model": "tiny", "messages": user, "seed": 2**70})
+    assert response.status_code == 400 and _error(response)["param"] == "seed"
+    response = httpx.post(
+        chat, content=b'{"model": "tiny", "messages": "\xff\xfe"}', headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "JSON" in _error(response)["message"]
+    response = httpx.get(f"{url}/v1/nothing")
+    assert response.status_code == 404 and _error(response)["message"]
     client = _client(url)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=user)

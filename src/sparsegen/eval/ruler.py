@@ -147,12 +147,10 @@ def ruler_job(model, tokenizer, settings: RulerSettings, out: Path, progress: bo
     records, prompts = saved.get("records", []), saved.get("samples", [])
     done = {(r["task"], r["length"], r["index"]) for r in records}
     haystack = Path(settings.haystack) if settings.haystack else None
-    samples = [
-        sample
-        for length in settings.lengths
-        for task in settings.tasks
-        for sample in make_samples(tokenizer, task, length, settings.samples, settings.seed, out, haystack)
-    ]
+    samples = []
+    pairs = [(task, length) for length in settings.lengths for task in settings.tasks]
+    for task, length in tqdm(pairs, desc="RULER's generators", unit="task", disable=not progress):
+        samples += make_samples(tokenizer, task, length, settings.samples, settings.seed, out, haystack)
     todo = [s for s in samples if (s.task, s.length, s.index) not in done]
     cells = len(_cells(settings))
     with tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample", disable=not progress) as bar:

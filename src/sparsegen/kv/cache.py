@@ -43,10 +43,12 @@ class PolicyLayer(CacheLayerMixin):
         layer_idx: int | None = None,
         pinned: int = 0,
         layers: int = 1,
+        rope: KeyRotation | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
         self.layers = layers
+        self.rope = rope or rotation  # a rolling layer knows the frequencies too
         self.pinned = pinned
         self.layer_idx = layer_idx
         self.awaiting_attention = False
@@ -261,6 +263,7 @@ class PolicyLayer(CacheLayerMixin):
             new=self.new_tokens,
             sizes=self.sizes,
             weights=weights,
+            rope=self.rope,
             _received={} if received is None else received,
         )
         scores = self.policy.score(step)

@@ -59,12 +59,13 @@ def make_cache(
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if position == "rolling" and rope_type in ("dynamic", "longrope"):
         raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
-    rotation = KeyRotation(inv_freq) if position == "rolling" else None
+    rope = KeyRotation(inv_freq)
+    rotation = rope if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
     types = _layer_types(model.config)
     for index, layer_type in enumerate(types):
         if layer_type == "full_attention":
-            layers.append(layer_class(policy, rotation, layer_idx=index, pinned=pinned, layers=len(types)))
+            layers.append(layer_class(policy, rotation, layer_idx=index, pinned=pinned, layers=len(types), rope=rope))
         elif layer_type == "sliding_attention":
             from transformers.cache_utils import DynamicSlidingWindowLayer
 

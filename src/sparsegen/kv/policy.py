@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.rope import KeyRotation
 from sparsegen.registry import Registry
 
 POLICIES = Registry("KV policy", "policy")
@@ -46,7 +47,9 @@ class Step:
 
     `positions`, `scores` [b, h, n]; `keys`, `values` [b, h, n, d] (keys as attention saw them);
     `query` [b, hq, new, d], the new tokens' queries; `weights`, when the attention implementation
-    returned them, [b, hq, new, n]. `seen` counts every token so far, `new` this call's.
+    returned them, [b, hq, new, n]. `seen` counts every token so far, `new` this call's. `rope`
+    rotates by the model's RoPE frequencies (given by the drop-in cache, for policies that reason
+    about queries at other positions).
     """
 
     positions: torch.Tensor
@@ -59,6 +62,7 @@ class Step:
     new: int
     sizes: Sizes | None
     weights: torch.Tensor | None = None
+    rope: KeyRotation | None = None
     _received: dict = field(default_factory=dict, repr=False)
 
     def received(self, last: int | None = None) -> torch.Tensor:

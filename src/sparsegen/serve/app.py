@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparsegen.serve.batching import Engine
 from sparsegen.serve.routes import router
@@ -26,6 +27,12 @@ def create_app(
         return JSONResponse(
             error_body(exc.message, param=exc.param, code=exc.code), status_code=exc.status, headers=exc.headers
         )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unparsable bodies, unknown routes
+        server.answered(request, str(exc.status_code))
+        message = f"{exc.detail}: send a UTF-8 JSON object" if exc.status_code == 400 else str(exc.detail)
+        return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

@@ -40,7 +40,7 @@ class Sampling(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # what a generator's seed can hold
     stream: bool = False
     n: int = 1
     kv_policy: str | None = None
