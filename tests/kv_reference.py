@@ -51,7 +51,9 @@ def _last_query(scores, received, cache):
 
 def _snapkv_scores(scores, received, cache):
     window = received[-min(cache.sizes["recent"], len(received)) :]
-    order = sorted(scores)
+    for pos in scores:  # the window itself is kept whole and not pooled with the rest
+        scores[pos] = sum(row.get(pos, 0.0) for row in window)
+    order = sorted(pos for pos in scores if not _recent(pos, cache))
     summed = [sum(row.get(pos, 0.0) for row in window) for pos in order]
     half = cache.settings.get("kernel", 5) // 2
     for i, pos in enumerate(order):

@@ -1,13 +1,11 @@
 """`sparsegen eval ruler`: RULER's generators and metrics, one prefill per sample, resuming."""
 
 import json
-import shutil
-
 import pytest
 
 from sparsegen.eval import ruler
 from sparsegen.eval.ruler import RulerSettings, clean, kept_tokens, ruler_job
-from sparsegen.eval.ruler_data import make_samples, task_table
+from sparsegen.eval.ruler_data import RulerSample, make_samples, task_table
 from tests.conftest import build_tiny, tiny_tokenizer
 from tests.test_cli import run_cli
 
@@ -30,6 +28,16 @@ def test_rulers_thirteen_tasks_and_metrics_come_from_its_package():
     assert clean("  7 \x01 8\n") == "7 \n 8" and kept_tokens(1000, 0.75) == 250 and kept_tokens(3, 0.9) == 1
 
 
+def _fixed_samples(tokenizer, task, length, samples, seed, work, haystack=None):
+    """Two RULER-shaped samples in the tiny vocabulary (the generators have their own test)."""
+    context = " ".join(f"w{5 + (i * 7) % 80}" for i in range(150))
+    return [
+        RulerSample(task, length, index, f"{context} w90 w{91 + index} w6", " w7 w90 w4 w8", [f"w{91 + index}"], 170)
+        for index in range(samples)
+    ]
+
+
+@pytest.mark.slow  # RULER's generator scripts run in a process of their own (half a minute each)
 def test_samples_split_where_rulers_template_puts_the_question(tmp_path):
     tokenizer = tiny_tokenizer()
     samples = make_samples(tokenizer, "niah_single_1", 400, 2, 42, tmp_path)
@@ -45,6 +53,7 @@ def test_samples_split_where_rulers_template_puts_the_question(tmp_path):
 
 def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, monkeypatch):
     model, tokenizer = build_tiny("llama"), tiny_tokenizer()
+    monkeypatch.setattr(ruler, "make_samples", _fixed_samples)
     settings = _settings()
     records = ruler_job(model, tokenizer, settings, tmp_path / "shared", progress=False)
     cells = 1 + (len(POLICIES) - 1) * 2
@@ -65,13 +74,13 @@ def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, mo
         patch.setattr(ruler, "score_sample", fail)
         assert ruler_job(model, tokenizer, settings, tmp_path / "shared", progress=False) == records
 
-    shutil.copytree(tmp_path / "shared" / "samples", tmp_path / "alone" / "samples")
     alone = ruler_job(model, tokenizer, _settings(separate_prefill=True), tmp_path / "alone", progress=False)
     assert [(r["policy"], r["ratio"], r["prediction"]) for r in alone] == [
         (r["policy"], r["ratio"], r["prediction"]) for r in records
     ]
 
 
+@pytest.mark.slow  # RULER's generator runs in a process of its own
 def test_eval_ruler_command_writes_table_plot_and_json(monkeypatch, capsys, tiny_folder, tmp_path):
     args = ["eval", "ruler", "--model", tiny_folder, "--tasks", "niah_single_1", "--lengths", "400"]
     args += ["--samples", "1", "--policies", "full,tova", "--ratios", "0.5", "--out", tmp_path]

@@ -15,17 +15,18 @@ dependencies beyond torch and transformers). The environment used:
 Both sides read the default model's fp32 safetensors folder (transformers 5.2 reads its config as
 written by 5.24) and the same context and question ids, tokenized as `eval.ruler.score_sample`
 does; kvpress compresses the context alone (its query-agnostic protocol) and both decode greedily
-with the question at positions continuing from the original context length.
+with the question at positions continuing from the original context length. Both stop at
+sparsegen's `stop_tokens` (kvpress's pipeline would use the generation config's EOS alone).
 
 Expected differences, from the math of each side:
 - streaming, knorm, keydiff: the same kept sets (knorm/keydiff up to float ties). Streaming's
   answers may differ: sparsegen's streaming defaults to rolling positions (the question is read
   at cache-relative positions), kvpress's keys and question keep their original positions.
 - snapkv / pyramidkv: the same scores up to a scale (kvpress averages the window's attention over
-  queries and the GQA group where sparsegen sums), except next to the window: kvpress drops the
-  window's columns before pooling (zero padding there), sparsegen pools over every column, so the
-  last `kernel // 2` positions before the window are smoothed with different neighbours, and a
-  near-tie at the budget's edge can flip. PyramidKV's per-layer budgets are the same formula.
+  queries and the GQA group where sparsegen sums), pooled over the prompt before the window on both
+  sides (the window is kept whole), so the same kept sets up to float near-ties at the budget's
+  edge. PyramidKV's per-layer budgets are the same formula (kvpress keeps the unrounded budget
+  where sparsegen rounds it down to a count: a layer may keep one token more or less).
   transformers 5.2 builds one SDPA mask from layer 0's length, so kvpress cannot read a
   multi-token question over PyramidKV's uneven layers; the worker reads it one token per forward.
 - tova: kvpress averages the last query's attention over all query heads and gives every KV head

@@ -3,14 +3,15 @@ the prompt is read, keep the prompt tokens that its last `recent` tokens (the ob
 attend to most, plus the window itself; decoding then keeps every new token.
 
 Scores: the window queries' attention summed over the window and each GQA group, smoothed along
-the sequence by average pooling (`kernel` tokens wide) so that neighbours of an important token
-stay with it.
+the prompt before the window by average pooling (`kernel` tokens wide, zeros past its ends, as the
+paper's code) so that neighbours of an important token stay with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 
 from sparsegen.errors import SparsegenError
@@ -47,8 +48,11 @@ class SnapKVPolicy(Policy):
     def score(self, step):
         received = step.received(last=self.recent)  # slots are in position order at the first call
         b, h, n = received.shape
-        pooled = F.avg_pool1d(received.view(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
-        return pooled.view(b, h, n)
+        body = n - min(self.recent, n)  # the window is kept whole: only what precedes it is pooled
+        if body == 0:
+            return received
+        pooled = F.avg_pool1d(received[..., :body].reshape(b * h, 1, body), self.kernel, 1, self.kernel // 2)
+        return torch.cat([pooled.view(b, h, body), received[..., body:]], dim=-1)
 
     def priority(self, step):
         return step.scores.masked_fill(step.is_recent(), KEEP)
