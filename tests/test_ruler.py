@@ -1,6 +1,7 @@
 """`sparsegen eval ruler`: RULER's generators and metrics, one prefill per sample, resuming."""
 
 import json
+
 import pytest
 
 from sparsegen.eval import ruler
