@@ -12,7 +12,7 @@ $(BIN)/sparsegen: pyproject.toml
 	$(BIN)/python -c "from sparsegen.catalog import catalog; catalog()"  # the CLI's method list, so --help starts fast
 	touch $@
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint
 install: $(BIN)/sparsegen
 
 demo: install
@@ -20,6 +20,9 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+test-fast: install  # while developing: unit tests on tiny models (no real model, no worker processes)
+	$(BIN)/python -m pytest -q -m "not real and not slow"
 
 lint: install
 	$(BIN)/ruff check src tests

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 
 from sparsegen.layerwise import InputStats
 
+pytestmark = pytest.mark.slow  # torchrun ranks and spawned processes
+
 
 def run_cli(*args: str, ranks: int = 1) -> None:
     """Run the CLI in one process, or on `ranks` gloo ranks under torchrun; each process on one

@@ -66,3 +66,17 @@ def test_sinks_rescue_window_attention(real):
     assert streaming < 1.15 * full
     assert window > 1.3 * streaming
     assert results["streaming"].kl < results["window"].kl
+
+
+def test_ruler_needle_on_the_real_model_one_prefill_equals_separate_reads(real, tmp_path):
+    """RULER's single needle at 1k tokens: the full cache finds it, and every policy's answer from the
+    shared prefill equals its answer from reading the context alone."""
+    from sparsegen.eval.ruler import RulerSettings, ruler_job
+    from sparsegen.kv import POLICIES
+
+    model, tokenizer = real
+    settings = RulerSettings("smollm2-135m", ("niah_single_1",), (1024,), 1, tuple(sorted(POLICIES)), (0.5,))
+    shared = ruler_job(model, tokenizer, settings, tmp_path, progress=False)
+    assert next(r["score"] for r in shared if r["policy"] == "full") == 100
+    alone = ruler_job(model, tokenizer, RulerSettings(**{**vars(settings), "separate_prefill": True}), tmp_path, False)
+    assert [(r["policy"], r["prediction"]) for r in alone] == [(r["policy"], r["prediction"]) for r in shared]

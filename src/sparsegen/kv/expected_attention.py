@@ -78,7 +78,8 @@ class ExpectedAttentionPolicy(Policy):
             spread = spread.view(b, hkv, hq // hkv, d, d)
             quadratic = torch.einsum("bknd,bkgde,bkne->bkgn", keys, spread, keys)
             logits = logits + 0.5 * step.scaling**2 * quadratic
-        logits = logits.masked_fill(step.is_sink()[:, :, None], float("-inf"))
+        sinks = step.is_sink() if step.sizes is not None else step.positions < self.sinks  # a pinned prefix alone
+        logits = logits.masked_fill(sinks[:, :, None], float("-inf"))
         expected = logits.softmax(-1).nan_to_num(0.0).mean(2)  # nothing but sinks: nothing expected
         if self.value_norm:
             expected = (expected + self.epsilon) * step.values.float().norm(dim=-1)
