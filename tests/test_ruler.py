@@ -15,7 +15,7 @@ POLICIES = ("full", "streaming", "h2o", "snapkv", "keydiff", "pyramidkv")
 
 def _settings(**changes) -> RulerSettings:
     base = dict(
-        model="tiny", tasks=("niah_single_1",), lengths=(400,), samples=2, policies=POLICIES, ratios=(0.5, 0.75)
+        model="tiny", tasks=("niah_single_1",), lengths=(400,), samples=1, policies=POLICIES, ratios=(0.5, 0.75)
     )
     return RulerSettings(**{**base, **changes})
 
@@ -58,7 +58,7 @@ def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, mo
     settings = _settings()
     records = ruler_job(model, tokenizer, settings, tmp_path / "shared", progress=False)
     cells = 1 + (len(POLICIES) - 1) * 2
-    assert len(records) == 2 * cells
+    assert len(records) == cells
     assert {(r["policy"], r["ratio"]) for r in records} == {("full", 0.0)} | {
         (p, r) for p in POLICIES[1:] for r in (0.5, 0.75)
     }
@@ -66,7 +66,7 @@ def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, mo
         assert r["budget"] is None or r["budget"] == kept_tokens(r["context_tokens"], r["ratio"])
         assert 0 <= r["score"] <= 100
     saved = json.loads((tmp_path / "shared" / "results.json").read_text())
-    assert len(saved["samples"]) == 2 and all(s["references"] and s["prompt"] for s in saved["samples"])
+    assert len(saved["samples"]) == 1 and all(s["references"] and s["prompt"] for s in saved["samples"])
 
     def fail(*args, **kwargs):
         raise AssertionError("a finished sample was scored again")

@@ -168,6 +168,7 @@ def test_pruning_with_spilled_hidden_states_is_unchanged(tmp_path, monkeypatch):
         assert torch.equal(tensor, model.state_dict()[name]), name
 
 
+@pytest.mark.slow  # measures its memory in a process of its own
 def test_a_model_of_hundreds_of_mb_prunes_from_disk_holding_a_fraction_of_it(tmp_path, tiny_text):
     """Peak RSS stays well under the weights' size, and what it adds to the imports under a third."""
     shape = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=20, num_attention_heads=8)
