@@ -57,6 +57,7 @@ def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, mo
     monkeypatch.setattr(ruler, "make_samples", _fixed_samples)
     settings = _settings()
     records = ruler_job(model, tokenizer, settings, tmp_path / "shared", progress=False)
+    assert model.config._attn_implementation == "sdpa"  # the model as the job was given it
     cells = 1 + (len(POLICIES) - 1) * 2
     assert len(records) == cells
     assert {(r["policy"], r["ratio"]) for r in records} == {("full", 0.0)} | {

@@ -85,5 +85,9 @@ def registered_names(values: str, registry, what: str) -> list[str]:
     return names
 
 
-def parse_floats(values: str) -> list[float]:
-    return [float(v) for v in values.split(",") if v.strip()]
+def parse_floats(values: str, kind: type = float) -> list:
+    """Comma-separated numbers of `kind`; one line naming the one that is not."""
+    try:
+        return [kind(v) for v in values.split(",") if v.strip()]
+    except ValueError as exc:
+        raise SparsegenError(f"{values!r}: {exc}; give comma-separated {kind.__name__} values") from None

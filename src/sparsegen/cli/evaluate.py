@@ -165,7 +165,7 @@ def eval_ruler(
     settings = RulerSettings(
         model=model,
         tasks=tuple(names),
-        lengths=tuple(int(n) for n in lengths.split(",")),
+        lengths=tuple(parse_floats(lengths, int)),
         samples=samples,
         policies=tuple(registered_names(policies, METHODS["policies"], "KV policy")),
         ratios=tuple(parse_floats(ratios)),

@@ -96,7 +96,8 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
         by_policy[name].append(ratio)
     records = []
     for name, ratios in by_policy.items():
-        policies = [make_policy(name, **({"budget": kept_tokens(len(context), r)} if r else {})) for r in ratios]
+        budgets = [kept_tokens(len(context), r) if r else None for r in ratios]
+        policies = [make_policy(name, budget=budget) for budget in budgets]
         began = time.perf_counter()
         caches = [
             _read_alone(model, context, p) if settings.separate_prefill else shared.cache_for(p) for p in policies
@@ -111,7 +112,7 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
             held=caches,
         )
         seconds = time.perf_counter() - began
-        for ratio, policy, tokens in zip(ratios, policies, made.tokens, strict=True):
+        for ratio, budget, policy, tokens in zip(ratios, budgets, policies, made.tokens, strict=True):
             prediction = tokenizer.decode(tokens, skip_special_tokens=True)
             score = setting["metric"]([clean(prediction)], [sample.references])[0]
             records.append(
@@ -121,7 +122,7 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
                     "index": sample.index,
                     "policy": name,
                     "ratio": ratio,
-                    "budget": None if name == "full" else kept_tokens(len(context), ratio),
+                    "budget": budget,
                     "setting": policy.describe(),
                     "protocol": settings.protocol,
                     "context_tokens": len(context),
@@ -140,6 +141,8 @@ def ruler_job(model, tokenizer, settings: RulerSettings, out: Path, progress: bo
     each (sample, policy, ratio)'s prediction and score."""
     from tqdm.auto import tqdm
 
+    from sparsegen.kv.attention import policy_attention
+
     path = out / "results.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
     if saved.get("settings") != json.loads(json.dumps(asdict(settings))):  # as JSON keeps it: lists
@@ -153,7 +156,8 @@ def ruler_job(model, tokenizer, settings: RulerSettings, out: Path, progress: bo
         samples += make_samples(tokenizer, task, length, settings.samples, settings.seed, out, haystack)
     todo = [s for s in samples if (s.task, s.length, s.index) not in done]
     cells = len(_cells(settings))
-    with tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample", disable=not progress) as bar:
+    bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample", disable=not progress)
+    with bar, policy_attention(model):  # the model's own attention again when the job ends
         for sample in todo:
             bar.set_description(f"{sample.task} @ {sample.length} ({cells} cells)")
             started = time.perf_counter()

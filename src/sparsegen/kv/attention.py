@@ -13,6 +13,8 @@ cache: the same function then writes, attends and evicts in that state's fixed-s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from weakref import WeakKeyDictionary
 
 import torch
@@ -95,6 +97,19 @@ def use_policy_attention(model: torch.nn.Module) -> None:
             for module in model.modules()
             if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "q_proj")
         ]
+
+
+@contextmanager
+def policy_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`use_policy_attention` for the block's duration: on exit the model is as it came in (left
+    switched only if it already was)."""
+    switched = model.config._attn_implementation.startswith(PREFIX)
+    use_policy_attention(model)
+    try:
+        yield model
+    finally:
+        if not switched:
+            restore_attention(model)
 
 
 def restore_attention(model: torch.nn.Module) -> None:
