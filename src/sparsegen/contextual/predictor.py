@@ -94,7 +94,9 @@ class PredictorSelector(Selector):
 
     def calibrate(self, stats: LayerStats) -> None:
         if self.sparsity == 0:  # every neuron kept: nothing to predict
-            self.down, self.up = torch.zeros(stats.inputs.shape[1], 1), torch.zeros(1, stats.hidden.shape[1])
+            device = stats.inputs.device
+            self.down = torch.zeros(stats.inputs.shape[1], 1, device=device)
+            self.up = torch.zeros(1, stats.hidden.shape[1], device=device)
             self.recall = self.lookahead_recall = torch.tensor(1.0)
             return
         labels = top_k_labels(stats.hidden.abs(), self._k(stats.hidden.shape[1]))

@@ -25,7 +25,7 @@ from sparsegen.kv.rope import rotate_half
 
 def mean_rotation(inv_freq: torch.Tensor, start: int, count: int, head_dim: int) -> torch.Tensor:
     """The average of RoPE's rotation matrices over positions start..start+count-1 [d, d]."""
-    angles = torch.arange(start, start + count, dtype=torch.float64)[:, None] * inv_freq.double()
+    angles = torch.arange(start, start + count, dtype=torch.float64)[:, None] * inv_freq.double().cpu()
     cos, sin = angles.cos().mean(0), angles.sin().mean(0)
     rotary = 2 * cos.numel()  # dimensions past the rotary ones are not rotated
     c = torch.cat([cos, cos, torch.ones(head_dim - rotary, dtype=torch.float64)])
@@ -67,7 +67,7 @@ class ExpectedAttentionPolicy(Policy):
         queries = step.rope.rotate(step.query.float(), -positions)  # back to before RoPE
         counted = positions[0, 0] >= self.sinks
         queries = queries[:, :, counted] if bool(counted.any()) else queries
-        rotation = mean_rotation(step.rope.inv_freq, step.seen, self.future, d).to(queries.device)
+        rotation = mean_rotation(step.rope.inv_freq, int(step.seen), self.future, d).to(queries.device)
         mean = queries.mean(2) @ rotation.T  # [b, hq, d]
         keys = step.keys.float()
         grouped_mean = mean.view(b, hkv, hq // hkv, d)

@@ -57,7 +57,8 @@ class Int4Linear(PackedLinear):
     """int2-int4 weights, two to a byte, on the int4 kernel: (u - 8) * scale + offset per group."""
 
     def __init__(self, packed: torch.Tensor, scale_and_offset: torch.Tensor, group: int, in_features: int, bias=None):
-        super().__init__(in_features, packed.shape[0], bias)
+        # [out, ...] packed for the CPU; [out / 8, ...] tiles for tinygemm: the scales count the outputs
+        super().__init__(in_features, scale_and_offset.shape[1], bias)
         self.group = group
         self.register_buffer("packed", packed)
         self.register_buffer("scale_and_offset", scale_and_offset)
