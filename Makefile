@@ -9,7 +9,6 @@ $(BIN)/sparsegen: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	$(BIN)/python -c "from sparsegen.catalog import catalog; catalog()"  # the CLI's method list, so --help starts fast
 	touch $@
 
 .PHONY: install demo test test-fast lint

@@ -5,6 +5,7 @@ import pytest
 
 from sparsegen import cli
 from sparsegen.kv import POLICIES
+from sparsegen.kv.attention import policy_attention
 
 
 def run_cli(monkeypatch, capsys, *args, stdin=None):
@@ -55,7 +56,8 @@ def test_info_and_generate_on_a_local_model(monkeypatch, capsys, tiny_folder):
     model, tokenizer = sparsegen.load(str(tiny_folder))
     ids = tokenizer("w5 w6 w7", return_tensors="pt")
     cache = make_cache(model, "streaming", budget=6, sinks=2)
-    expected = model.generate(**ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with policy_attention(model):
+        expected = model.generate(**ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
     text = tokenizer.decode(expected[0, 3:], skip_special_tokens=True)
     assert code == 0 and out.split() == text.split() and len(text.split()) >= 1
 
@@ -80,6 +82,15 @@ def test_bad_input_is_one_line_not_a_traceback(monkeypatch, capsys, tiny_folder,
     assert code == 2 and "not found" in err
     code, _, err = run_cli(monkeypatch, capsys, "stream", "--model", tiny_folder, "--policies", "full,snapkv")
     assert code == 2 and "snapkv compresses a prompt once" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "w5", "--policy", "h2o"], ["stream", "--policies", "h2o"], ["eval", "zeroshot", "--policy", "h2o"]],
+)
+def test_a_budget_beside_its_parts_is_one_error_in_every_command(monkeypatch, capsys, tiny_folder, command):
+    code, _, err = run_cli(monkeypatch, capsys, *command, "--model", tiny_folder, "--budget", "8", "--heavy", "2")
+    assert code == 2 and "not both" in err and "Traceback" not in err
 
 
 def test_stream_main_job_writes_table_plot_json_and_nll(monkeypatch, capsys, tiny_folder, tiny_text, tmp_path):
@@ -238,21 +249,6 @@ def test_prune_bad_method_is_a_clear_error(monkeypatch, capsys, tiny_folder, tmp
         monkeypatch, capsys, "prune", "--model", tiny_folder, "--method", "obs", "--out", tmp_path / "x"
     )
     assert code == 2 and "unknown pruning method 'obs'" in err
-
-
-def test_the_cli_starts_without_torch_and_its_catalog_is_the_registries(tmp_path, monkeypatch):
-    """`sparsegen --help` reads the registries' names from a cached catalog, rebuilt when stale."""
-    import subprocess
-
-    from sparsegen.catalog import catalog, catalog_path, read_registries
-
-    monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path))
-    catalog_path().write_text(json.dumps({"key": "stale", "registries": {"policies": ["gone"]}}))
-    assert catalog() == read_registries()  # a stale catalog is rebuilt from the registries
-    assert "h2o" in catalog()["policies"] and "wanda" in catalog()["pruners"]
-    probe = "import sys, sparsegen.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert started.stdout.split() == ["False", "False"]
 
 
 def _commands(group, prefix=()):

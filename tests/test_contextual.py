@@ -19,6 +19,7 @@ from sparsegen.contextual.heads import SparseAttention
 from sparsegen.contextual.input_sparse import InputSparseLinear
 from sparsegen.contextual.parts import mlp_parts
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.attention import policy_attention
 from sparsegen.models import decoder_layers
 from tests.conftest import build_tiny
 
@@ -192,15 +193,20 @@ def test_sparse_mlps_compose_with_a_kv_policy_and_a_pruned_model():
     model = build_tiny("mistral")
     prune(model, "wanda", 0.5, calibration=_ids(), progress=False)
     prompt = _ids(1, 20, seed=2)
-    expected = model.generate(
-        prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
-    )
+    with policy_attention(model):
+        expected = model.generate(
+            prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
+        )
     sparsify(model, "threshold", 0.0, calibration=_ids(), progress=False)
-    got = model.generate(prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False)
+    with policy_attention(model):
+        got = model.generate(
+            prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
+        )
     assert torch.equal(got, expected)
     sparsify(model, "threshold", 0.5, calibration=_ids(), progress=False)
     cache = make_cache(model, "streaming", budget=12)
-    model.generate(prompt, cache=cache, max_new_tokens=10, do_sample=False)
+    with policy_attention(model):
+        model.generate(prompt, cache=cache, max_new_tokens=10, do_sample=False)
     assert cache.physical_length() <= 13
 
 
@@ -212,9 +218,10 @@ def test_sparse_models_on_the_fast_path_equal_transformers_generate(arch, select
     model = build_tiny(arch)
     sparsify(model, selector, 0.4, calibration=_ids(), progress=False)
     prompt = _ids(1, 20, seed=3)
-    expected = model.generate(
-        prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
-    )
+    with policy_attention(model):
+        expected = model.generate(
+            prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
+        )
     got = generate(model, prompt, 8, policy="h2o", compile="never", eos_token_id=[], heavy=4, recent=6)
     assert got.tokens[0] == expected[0, 20:].tolist()
 
@@ -349,9 +356,10 @@ def test_head_sparse_models_on_the_fast_path_equal_transformers_generate(arch):
     model = build_tiny(arch)
     sparsify(model, "predictor", 0.4, calibration=_ids(), head_sparsity=0.75, progress=False)
     prompt = _ids(1, 20, seed=3)
-    expected = model.generate(
-        prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
-    )
+    with policy_attention(model):
+        expected = model.generate(
+            prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
+        )
     got = generate(model, prompt, 8, policy="h2o", compile="never", eos_token_id=[], heavy=4, recent=6)
     assert got.tokens[0] == expected[0, 20:].tolist()
 

@@ -6,6 +6,7 @@ import torch
 from sparsegen.decode import Decoder, generate
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
+from sparsegen.kv.attention import policy_attention
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE
 
@@ -15,7 +16,8 @@ SMALL = {name: row.small for name, row in TABLE.items()}
 def _reference(model, ids, policy, budget, new, position=None):
     """transformers' generate() over the policy cache: the eager engine the fast path must equal."""
     cache = make_cache(model, policy, position=position, **budget)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
+    with policy_attention(model):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -38,9 +40,10 @@ def test_teacher_forced_logits_match_the_dense_forward(arch):
     model = build_tiny(arch)
     ids = _prompt(30)[0].tolist()
     decoder = Decoder(model, "full", compile="never")
-    logits = [decoder.start([ids[:12]], 32)[0]]
-    for token in ids[12:-1]:
-        logits.append(decoder.step(torch.tensor([token]))[0])
+    with policy_attention(model):  # a Decoder driven by hand runs inside the scope generate() enters
+        logits = [decoder.start([ids[:12]], 32)[0]]
+        for token in ids[12:-1]:
+            logits.append(decoder.step(torch.tensor([token]))[0])
     with torch.inference_mode():
         ref = model(torch.tensor([ids])).logits[0, 11:-1]
     torch.testing.assert_close(torch.stack(logits), ref, rtol=1e-4, atol=1e-4)
@@ -176,8 +179,9 @@ def test_bf16_cache_and_weights_stay_close_to_fp32():
     ids = _prompt(24)[0].tolist()
 
     def forced(decoder):
-        rows = [decoder.start([ids[:8]], 16)[0]]
-        rows += [decoder.step(torch.tensor([token]))[0] for token in ids[8:-1]]
+        with policy_attention(decoder.model):
+            rows = [decoder.start([ids[:8]], 16)[0]]
+            rows += [decoder.step(torch.tensor([token]))[0] for token in ids[8:-1]]
         return torch.stack(rows)
 
     ref = forced(Decoder(model, compile="never"))
@@ -192,20 +196,33 @@ def test_bf16_cache_and_weights_stay_close_to_fp32():
 def test_each_row_holds_at_most_its_budget_in_fixed_buffers():
     model = build_tiny("qwen2")
     decoder = Decoder(model, "streaming_h2o", compile="never", sinks=2, heavy=3, recent=4)
-    logits = decoder.start([_prompt(5, 1)[0].tolist(), _prompt(20, 2)[0].tolist()], 30)
-    buffers = decoder.state.kv_bytes()
-    assert decoder.state.live_tokens().tolist() == [5, 9]
-    for _ in range(29):
-        logits = decoder.step(logits.argmax(-1))
-        assert decoder.state.live_tokens().max() <= 9
+    with policy_attention(model):
+        logits = decoder.start([_prompt(5, 1)[0].tolist(), _prompt(20, 2)[0].tolist()], 30)
+        buffers = decoder.state.kv_bytes()
+        assert decoder.state.live_tokens().tolist() == [5, 9]
+        for _ in range(29):
+            logits = decoder.step(logits.argmax(-1))
+            assert decoder.state.live_tokens().max() <= 9
     assert decoder.state.live_tokens().tolist() == [9, 9] and decoder.state.kv_bytes() == buffers
+
+
+def test_the_fast_path_refuses_to_step_without_sparsegens_attention():
+    """Outside policy_attention the model's own sdpa would ignore `static_kv` and attend over one
+    token: the step says so in one line instead of decoding garbage."""
+    model = build_tiny("llama")
+    decoder = Decoder(model, "streaming", compile="never", sinks=2, recent=6)
+    with policy_attention(model):
+        logits = decoder.start([_prompt(8)[0].tolist()], 4)
+        decoder.step(logits.argmax(-1))
+    with pytest.raises(SparsegenError, match=r"^the model's attention is 'sdpa'.*policy_attention\(model\)"):
+        decoder.step(logits.argmax(-1))
 
 
 def test_generate_leaves_the_model_as_given():
     """Compiling patches the Linear layers' forward and policies switch the attention implementation;
-    generate() undoes what it did, and the undo functions restore what make_cache and use_gemv did."""
+    generate() undoes what it did, make_cache changes nothing, policy_attention undoes its switch on
+    exit and restore_linears what use_gemv did."""
     from sparsegen.few_rows import restore_linears, use_gemv
-    from sparsegen.kv.attention import restore_attention
 
     model = build_tiny("llama")
     before = model.config._attn_implementation
@@ -217,8 +234,9 @@ def test_generate_leaves_the_model_as_given():
     restore_linears(patched)
     assert not any("forward" in m.__dict__ for m in model.modules())
     make_cache(model, "streaming", budget=8)
-    assert model.config._attn_implementation != before
-    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == model.config.num_hidden_layers
-    restore_attention(model)
+    assert model.config._attn_implementation == before
+    with policy_attention(model):
+        assert model.config._attn_implementation != before
+        assert sum(len(m._forward_pre_hooks) for m in model.modules()) == model.config.num_hidden_layers
     assert model.config._attn_implementation == before
     assert not any(m._forward_pre_hooks for m in model.modules())

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from sparsegen.kv import make_cache, stream
+from sparsegen.kv.attention import policy_attention
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE
 
@@ -12,15 +13,16 @@ LARGE = {name: row.large for name, row in TABLE.items()}
 
 
 def _generate(model, ids, cache, **kw):
-    out = model.generate(
-        ids,
-        cache=cache,
-        max_new_tokens=12,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kw,
-    )
+    with policy_attention(model):
+        out = model.generate(
+            ids,
+            cache=cache,
+            max_new_tokens=12,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **kw,
+        )
     return out.sequences, torch.stack(out.logits, 1)
 
 
@@ -75,12 +77,14 @@ def test_cache_reused_across_chat_turns_equals_dense():
     turn1 = torch.randint(3, 96, (1, 10), generator=gen)
     dense, policy = DynamicCache(), make_cache(model, "h2o", heavy=100, recent=100)
     out_d = model.generate(turn1, cache=dense, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    out_p = model.generate(turn1, cache=policy, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with policy_attention(model):
+        out_p = model.generate(turn1, cache=policy, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(out_d, out_p)
     turn2 = torch.randint(3, 96, (1, 6), generator=gen)
     out_d = model.generate(torch.cat([out_d, turn2], 1), cache=dense, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    out_p = model.generate(
-        torch.cat([out_p, turn2], 1), cache=policy, max_new_tokens=5, do_sample=False, pad_token_id=0
-    )
+    with policy_attention(model):
+        out_p = model.generate(
+            torch.cat([out_p, turn2], 1), cache=policy, max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
     assert torch.equal(out_d, out_p)
     assert policy.physical_length() == dense.get_seq_length()

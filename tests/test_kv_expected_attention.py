@@ -4,6 +4,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsegen.kv import PolicyLayer, make_cache, make_policy
+from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Step
 from sparsegen.kv.rope import KeyRotation
 from tests.conftest import build_tiny
@@ -77,9 +78,10 @@ def test_sinks_are_kept_and_new_tokens_after_compression():
     model = build_tiny("qwen2")
     ids = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(2))
     cache = make_cache(model, "expected_attention", budget=20)
-    model(ids, cache=cache)
-    for layer in cache.policy_layers():
-        held = layer.held_positions()
-        assert held.shape[-1] == 20 and (held[..., :4] == torch.arange(4)).all()
-    model(torch.tensor([[5]]), cache=cache)
+    with policy_attention(model):
+        model(ids, cache=cache)
+        for layer in cache.policy_layers():
+            held = layer.held_positions()
+            assert held.shape[-1] == 20 and (held[..., :4] == torch.arange(4)).all()
+        model(torch.tensor([[5]]), cache=cache)
     assert all(layer.size == 21 for layer in cache.policy_layers())

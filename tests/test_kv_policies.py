@@ -8,7 +8,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv import PolicyLayer, make_cache, make_policy
+from sparsegen.kv import POLICIES, PolicyLayer, make_cache, make_policy, resolve_budget
+from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.rope import KeyRotation
 from tests.conftest import COMMON, PhysicalLengthRecorder, build_tiny
 from tests.kv_reference import EVICTING, INV_FREQ, TABLE, ReferenceCache
@@ -124,15 +125,16 @@ def test_generate_keeps_physical_length_within_budget(arch, policy):
     budget = 16
     cache = make_cache(model, policy, budget=budget)
     recorder = PhysicalLengthRecorder(cache)
-    model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        cache=cache,
-        max_new_tokens=40,
-        do_sample=False,
-        pad_token_id=0,
-        logits_processor=LogitsProcessorList([recorder]),
-    )
+    with policy_attention(model):
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=40,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
     lengths = [n if isinstance(n, int) else max(n) for n in recorder.lengths]
     if not TABLE[policy].bounded:  # compressed once after the prompt, then every new token is kept
         layers = cache.policy_layers()
@@ -156,7 +158,8 @@ def test_pyramidkv_budgets_shrink_with_depth_and_hold_their_bytes():
     model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 5})).eval()
     ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(1))
     cache = make_cache(model, "pyramidkv", heavy=96, recent=4)
-    model(ids, cache=cache)
+    with policy_attention(model):
+        model(ids, cache=cache)
     sizes = [layer.size for layer in cache.policy_layers()]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1]
     assert sum(sizes) == 100 * 5
@@ -168,22 +171,24 @@ def test_pyramidkv_budgets_shrink_with_depth_and_hold_their_bytes():
 def test_batch_rows_match_single_row_runs(policy):
     model = build_tiny("mistral")
     ids = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(9))
-    batch = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=15,
-        do_sample=False,
-        pad_token_id=0,
-        cache=make_cache(model, policy, **TABLE[policy].small),
-    )
-    for row in range(3):
-        single = model.generate(
-            ids[row : row + 1],
+    with policy_attention(model):
+        batch = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=15,
             do_sample=False,
             pad_token_id=0,
             cache=make_cache(model, policy, **TABLE[policy].small),
         )
+    for row in range(3):
+        with policy_attention(model):
+            single = model.generate(
+                ids[row : row + 1],
+                max_new_tokens=15,
+                do_sample=False,
+                pad_token_id=0,
+                cache=make_cache(model, policy, **TABLE[policy].small),
+            )
         length = single.shape[1]  # a row that met the end token is padded in the batch
         assert torch.equal(batch[row, :length], single[0]) and (batch[row, length:] == 0).all()
 
@@ -194,7 +199,7 @@ def test_padded_batch_is_refused(policy):
     ids = torch.randint(3, 96, (2, 10))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    with pytest.raises(SparsegenError, match="padded batches"):
+    with pytest.raises(SparsegenError, match="padded batches"), policy_attention(model):
         model.generate(
             ids,
             attention_mask=mask,
@@ -240,10 +245,41 @@ def test_bad_budgets_are_clear_errors(call, message):
         call()
 
 
+def test_every_policy_has_a_row_in_the_table():
+    assert set(TABLE) == set(POLICIES)
+
+
+def test_one_budget_rule_splits_a_total():
+    assert resolve_budget("streaming_h2o", None, 21, {}) == {"sinks": 4, "heavy": 8, "recent": 9}
+    assert resolve_budget("streaming", None, 6, {"heavy": None}) == {"sinks": 4, "recent": 2}  # None: not given
+    assert resolve_budget("streaming", None, 4, {}) == {"sinks": 2, "recent": 2}  # no room for the default 4
+    assert resolve_budget("snapkv", None, 100, {}) == {"heavy": 68, "recent": 32}
+    assert resolve_budget("streaming", None, 0.2, {"sinks": 2}) == {"sinks": 2, "recent": 0.2}  # sinks on top
+    assert resolve_budget("streaming", 100, 0.2, {"sinks": 2}) == {"sinks": 2, "recent": 18}  # sinks within
+    assert make_policy("h2o", budget=0.2).resolved(50) == make_policy("h2o", heavy=5, recent=5)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: make_policy("h2o", budget=8, heavy=2), "give a total budget .* or its parts .*, not both"),
+        (lambda: resolve_budget("h2o", 100, 0.2, {"recent": 0.1}), "not both"),
+        (lambda: make_policy("window", sinks=2, recent=8), "policy 'window' keeps no sinks; drop --sinks"),
+        (lambda: resolve_budget("snapkv", 100, 64, {"sinks": 4}), "policy 'snapkv' keeps no sinks"),
+        (lambda: resolve_budget("streaming", 100, 8, {"sinks": 8}), "sinks \\(8\\) must be smaller"),
+        (lambda: make_policy("snapkv", budget=0.5), "observation window is a token count"),
+    ],
+)
+def test_conflicting_budget_parts_are_one_error(call, message):
+    with pytest.raises(SparsegenError, match=message):
+        call()
+
+
 def test_ratio_budget_resolves_against_the_prompt():
     model = build_tiny("llama")
     ids = torch.randint(3, 96, (1, 50))
     cache = make_cache(model, "h2o", heavy=0.1, recent=0.1)
-    model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with policy_attention(model):
+        model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert cache.physical_length() == 10
     assert cache.policy_layers()[0].sizes.heavy == 5

@@ -6,6 +6,7 @@ import torch
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import prompted_ppl, windowed_ppl
 from sparsegen.kv import POLICIES
+from sparsegen.kv.attention import policy_attention
 from sparsegen.prompt import PromptTraining, SoftPrompt, prompt_loss, train_prompt
 from sparsegen.prompt.prompted import PromptedModel
 from sparsegen.prompt.train import STATE
@@ -90,7 +91,8 @@ def test_cached_prompt_generation_equals_recomputing_it_and_is_never_evicted(pol
     tight = PromptedModel(model, prompt, policy, budget=8)
     cache = tight.cache()
     placeholder = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
-    model.generate(placeholder, cache=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    with policy_attention(model):
+        model.generate(placeholder, cache=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
     for layer in cache.policy_layers():
         held = layer.held_positions()
         assert (held[..., :5] == torch.arange(5)).all()

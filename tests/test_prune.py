@@ -199,7 +199,7 @@ def test_windowed_ppl_matches_manual_windows():
 
 @pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
 def test_blocks_moved_to_a_device_one_at_a_time_prune_as_in_memory(method):
-    from sparsegen.layerwise import OnDevice
+    from sparsegen.layerwise_blocks import OnDevice
 
     here, moved = build_tiny("llama"), build_tiny("llama")
     prune(here, method, 0.5, calibration=_calibration(), progress=False)

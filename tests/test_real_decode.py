@@ -6,6 +6,7 @@ import torch
 from sparsegen.data import load_text, tokenize_long
 from sparsegen.decode import generate
 from sparsegen.kv import make_cache
+from sparsegen.kv.attention import policy_attention
 
 pytestmark = pytest.mark.real
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.real
 def test_greedy_equals_transformers_generate(real):
     model, tokenizer = real
     ids = tokenize_long(tokenizer, load_text("shakespeare"), max_tokens=300)[None]
-    with torch.inference_mode():
+    with torch.inference_mode(), policy_attention(model):
         plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
         cache = make_cache(model, "h2o", heavy=64, recent=64)
         sparse = model.generate(

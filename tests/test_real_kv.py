@@ -7,6 +7,7 @@ from transformers import LogitsProcessorList
 from sparsegen.data import load_text, tokenize_long
 from sparsegen.eval import PolicyRun, stream_compare
 from sparsegen.kv import make_cache
+from sparsegen.kv.attention import policy_attention
 from tests.conftest import PhysicalLengthRecorder
 
 pytestmark = pytest.mark.real
@@ -26,14 +27,15 @@ def test_generation_stays_within_budget(real, policy, parts):
     encoded = _prompt(tokenizer)
     cache = make_cache(model, policy, **parts)
     lengths = PhysicalLengthRecorder(cache)
-    out = model.generate(
-        **encoded,
-        cache=cache,
-        max_new_tokens=300,
-        min_new_tokens=300,
-        do_sample=False,
-        logits_processor=LogitsProcessorList([lengths]),
-    )
+    with policy_attention(model):
+        out = model.generate(
+            **encoded,
+            cache=cache,
+            max_new_tokens=300,
+            min_new_tokens=300,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([lengths]),
+        )
     assert out.shape[1] - encoded["input_ids"].shape[1] == 300
     assert len(lengths.lengths) == 300 and max(lengths.lengths) <= 256
     assert cache.get_seq_length() > 256
@@ -48,7 +50,9 @@ def test_budget_larger_than_text_is_identical_to_plain_generate(real):
         ("h2o", {"heavy": 500, "recent": 500}),
         ("streaming_h2o", {"sinks": 4, "heavy": 500, "recent": 500}),
     ]:
-        sparse = model.generate(**encoded, max_new_tokens=40, do_sample=False, cache=make_cache(model, policy, **parts))
+        with policy_attention(model):
+            cache = make_cache(model, policy, **parts)
+            sparse = model.generate(**encoded, max_new_tokens=40, do_sample=False, cache=cache)
         assert torch.equal(sparse, plain), policy
 
 

@@ -371,7 +371,7 @@ def test_bench_load_sees_every_answer_equal_to_its_single_request_run():
 
 
 def test_soak_requests_get_their_answers_and_leave_no_row():
-    from sparsegen.bench.serve import SOAK_KINDS, soak_request
+    from sparsegen.bench.soak import SOAK_KINDS, soak_request
 
     loaded = _loaded()
     with live_server(loaded, "streaming", LARGE) as (url, _), httpx.Client() as client:

@@ -3,9 +3,7 @@ quantization) and layer-by-layer evaluation share.
 
 The inputs of block 0 are captured for every sequence, then each block runs over all of them and
 its outputs become the next block's inputs (`Hidden`, spilled to files past a share of RAM). A
-`Blocks` source says where a block's weights are while it runs: in the model (the default), or
-read from a checkpoint's shards and written back out (`scale.disk`), so that only one block's
-weights are ever held.
+`Blocks` source (`layerwise_blocks`) says where a block's weights are while it runs.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from sparsegen.distributed import all_reduce_sum, broadcast_rewrite, owner, rank_and_size
+from sparsegen.layerwise_blocks import IN_MEMORY, Blocks, Codec
 from sparsegen.models import decoder_layers
 from sparsegen.report import say_estimate
 
@@ -138,52 +137,6 @@ class Hidden:
 
     def __del__(self) -> None:
         self.close()
-
-
-Tensors = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Codec:
-    """How a rewritten block's tensors (names local to the block) are stored, and read back."""
-
-    encode: Callable[[int, Tensors], Tensors]
-    decode: Callable[[int, Tensors], Tensors]
-
-
-class Blocks:
-    """Where block weights live while the blocks run: in the model, always (the default). A
-    subclass may fill a block before it runs and take its weights away after (`scale.disk`), or
-    move it to the device it runs on (`OnDevice`)."""
-
-    writes = False  # whether rewritten blocks are written out as they finish (then `finish` the output)
-    device: torch.device | None = None  # where blocks run, when not where the model is
-
-    @contextlib.contextmanager
-    def held(self, index: int, block: nn.Module, codec: Codec | None = None) -> Iterator[bool]:
-        """Hold `block`'s weights while the body runs; yields whether it was rewritten by an
-        earlier, interrupted run (then it is only run, not rewritten)."""
-        yield False
-
-
-IN_MEMORY = Blocks()
-
-
-class OnDevice(Blocks):
-    """Blocks kept where the model is (CPU RAM) and run on `device` one at a time, as SparseGPT's
-    reference does: a model larger than the GPU's memory is calibrated and rewritten on the GPU."""
-
-    def __init__(self, device: str | torch.device) -> None:
-        self.device = torch.device(device)
-
-    @contextlib.contextmanager
-    def held(self, index: int, block: nn.Module, codec: Codec | None = None) -> Iterator[bool]:
-        home = next(block.parameters()).device
-        block.to(self.device)
-        try:
-            yield False
-        finally:
-            block.to(home)
 
 
 def _onto(block: nn.Module, kwargs: dict) -> tuple[torch.device, dict]:

@@ -45,16 +45,27 @@ class Registry(dict[str, type]):
 
     def summary(self, name: str) -> str:
         """The first line of the method's docstring."""
-        doc = (self[name].__doc__ or "").strip()
-        return doc.splitlines()[0].rstrip(".") if doc else ""
+        return summary_line(self[name].__doc__)
 
     def help(self) -> str:
         """One entry per method: its name, its settings, what it is (for the CLI's help)."""
-        entries = []
-        for name in sorted(self):
-            settings = ", ".join(f.name for f in dataclasses.fields(self[name]) if f.init)
-            entries.append(f"{name}{f' ({settings})' if settings else ''}: {self.summary(name)}")
-        return "; ".join(entries)
+        return "; ".join(
+            help_entry(name, [f.name for f in dataclasses.fields(self[name]) if f.init], self.summary(name))
+            for name in sorted(self)
+        )
+
+
+def summary_line(doc: str | None) -> str:
+    """A docstring's first line without its final period: a method's help in one line (shared with
+    `catalog`, which reads the docstrings from the source)."""
+    doc = (doc or "").strip()
+    return doc.splitlines()[0].rstrip(".") if doc else ""
+
+
+def help_entry(name: str, settings: list[str], summary: str) -> str:
+    """One method in the CLI's help: its name, its settings, what it is."""
+    listed = f" ({', '.join(settings)})" if settings else ""
+    return f"{name}{listed}: {summary}"
 
 
 def settings_of(method: Any) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The one sampler and the one stop rule, shared by every token loop (the decoder, the server,
-streaming chat): how the next token is chosen, and which tokens end a generation."""
+streaming chat): how the next token is chosen, and when a generation ends."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,12 +42,52 @@ def stop_tokens(model: torch.nn.Module, tokenizer=None) -> set[int]:
     return stops
 
 
-def until_stop(row: list[int], stops: set[int]) -> list[int]:
-    """A row's tokens up to and including its first stop token."""
-    for index, token in enumerate(row):
-        if token in stops:
-            return row[: index + 1]
-    return row
+@dataclass(frozen=True)
+class Verdict:
+    """Where a row stands: `reason` is "stop", "length" or None while it goes on; `text` is what
+    may be shown now (all of it once the row is done, else less what may still change)."""
+
+    reason: str | None
+    text: str
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a row's generation ends, and which of its text is safe to stream before it does.
+
+    A row ends at its first token in `token_ids` (kept in the tokens, never in the text), at the
+    first of `strings` in its text (cut there), or after `max_tokens`. `decode` turns tokens into
+    text; without it the text is empty and only tokens and length stop a row.
+    """
+
+    max_tokens: int
+    token_ids: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+    decode: Callable[[list[int]], str] | None = None
+
+    def judge(self, tokens: list[int]) -> Verdict:
+        """The verdict on a row whose tokens so far are `tokens`, asked after every new token (so
+        a stop token can only be the last one)."""
+        stopped = bool(tokens) and tokens[-1] in self.token_ids
+        text = self.decode(tokens[:-1] if stopped else tokens) if self.decode is not None else ""
+        hit = min((text.find(s) for s in self.strings if s and s in text), default=-1)
+        if hit >= 0:
+            return Verdict("stop", text[:hit])
+        if stopped:
+            return Verdict("stop", text)
+        if len(tokens) >= self.max_tokens:
+            return Verdict("length", text)
+        return Verdict(None, text[: len(text) - self.held_back(text)])
+
+    def held_back(self, text: str) -> int:
+        """How many characters at the end of `text` a streamer must hold back: the longest end
+        that begins a stop string, or trailing U+FFFD (a character whose bytes have not all come)."""
+        partial_stop = max(
+            (size for s in self.strings for size in range(len(s) - 1, 0, -1) if text.endswith(s[:size])),
+            default=0,
+        )
+        undecoded = len(text) - len(text.rstrip("\ufffd"))
+        return max(partial_stop, undecoded)
 
 
 def choose(

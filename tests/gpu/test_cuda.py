@@ -9,6 +9,7 @@ import sparsegen
 from sparsegen.contextual import sparsify
 from sparsegen.decode import generate
 from sparsegen.kv import make_cache
+from sparsegen.kv.attention import policy_attention
 from sparsegen.prune import prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.quant import quantize
@@ -26,7 +27,8 @@ def _prompt(length: int = 21, seed: int = 1) -> torch.Tensor:
 
 def _reference(model, ids, policy, budget, new):
     cache = make_cache(model, policy, **budget)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
+    with policy_attention(model):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -113,7 +115,7 @@ def test_a_two_four_checkpoint_runs_semi_structured_where_faster_on_cuda(tmp_pat
 
 
 def test_a_model_in_ram_is_pruned_on_the_gpu_one_block_at_a_time():
-    from sparsegen.layerwise import OnDevice
+    from sparsegen.layerwise_blocks import OnDevice
 
     calibration = torch.randint(3, 96, (4, 32))
     here, moved = build_tiny("llama"), build_tiny("llama")

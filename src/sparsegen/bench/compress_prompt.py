@@ -72,9 +72,8 @@ def bench_compress_prompt(
     progress: Callable[[str], None] = print,
     device: str | None = None,
 ) -> list[dict]:
-    from sparsegen.data import calibration_samples, load_text, tokenize_long
+    from sparsegen.data import calibration_samples
     from sparsegen.errors import SparsegenError
-    from sparsegen.eval.perplexity import prompted_ppl
     from sparsegen.loading import load
     from sparsegen.prompt import PromptTraining, SoftPrompt, train_prompt
     from sparsegen.quant.size import bits_per_weight
@@ -87,28 +86,19 @@ def bench_compress_prompt(
     results_path = out / "results.json"
     results: dict[str, dict] = json.loads(results_path.read_text()) if results_path.exists() else {}
     dense, tokenizer = load(model_name, device=device)
-    text = load_text(train_text)
-    cut = int(len(text) * 0.9)
-    calibration = calibration_samples(tokenizer, text[:cut], calib_samples, calib_seqlen, seed=0)
-    texts = {
-        f"{train_text} (last 10%)": tokenize_long(tokenizer, text[cut:]),
-        other_text: tokenize_long(tokenizer, load_text(other_text)),
-    }
+    training_part, texts = _split_texts(tokenizer, train_text, other_text)
+    calibration = calibration_samples(tokenizer, training_part, calib_samples, calib_seqlen, seed=0)
     prompt_dir = out / "prompt"
     settings = PromptTraining(tokens=tokens, steps=steps, lr=lr)
     prompt = None
-
-    def compressed(variant: Variant):
-        model, _ = load(model_name, device=device)
-        return model, variant.build(model, calibration, group_size)
-
     order = sorted(VARIANTS, key=lambda v: v.name != prompt_variant)  # the prompt's own variant first
     for variant in order:
         row = results.get(variant.name, {})
         model = None
         if prompt is None or "ppl" not in row or (variant.name in zeroshot_variants and "zeroshot" not in row):
             progress(f"{variant.name}: building")
-            model, scheme = compressed(variant)
+            model, _ = load(model_name, device=device)
+            scheme = variant.build(model, calibration, group_size)
             size = bits_per_weight(model, scheme)
             row.update(variant=variant.name, bits=size.stored, sparse_bits=size.sparse_packed if scheme else None)
         if prompt is None:
@@ -116,17 +106,11 @@ def bench_compress_prompt(
                 prompt = SoftPrompt.load(prompt_dir, model)
             else:
                 progress(f"training the soft prompt on {variant.name} ({steps} steps)")
-                samples = calibration_samples(tokenizer, text[:cut], n_train, seqlen, seed=1)
+                samples = calibration_samples(tokenizer, training_part, n_train, seqlen, seed=1)
                 prompt, report = train_prompt(model, samples, prompt_dir, settings, base_model=model_name)
                 row["train_seconds"] = report.seconds
         if "ppl" not in row:
-            row["ppl"] = {}
-            for label, ids in texts.items():
-                progress(f"{variant.name}: perplexity on {label}")
-                row["ppl"][label] = {
-                    "plain": prompted_ppl(model, None, ids, seqlen, eval_windows).ppl,
-                    "prompted": prompted_ppl(model, prompt, ids, seqlen, eval_windows).ppl,
-                }
+            row["ppl"] = _perplexities(model, prompt, texts, seqlen, eval_windows, variant.name, progress)
             results[variant.name] = row
             write_json(results_path, results)
         if variant.name in zeroshot_variants and zeroshot_limit != 0 and "zeroshot" not in row:
@@ -146,6 +130,36 @@ def bench_compress_prompt(
     )
     write_text(out / "bench_compress_prompt.md", header + markdown_table(rows, _columns(texts, rows)))
     return rows
+
+
+def _split_texts(tokenizer, train_text: str, other_text: str) -> tuple[str, dict]:
+    """The training part of `train_text` (its first 90%), and the held-out token ids by label: its
+    last tenth (never sampled for training) and all of `other_text` (transfer across texts)."""
+    from sparsegen.data import load_text, tokenize_long
+
+    text = load_text(train_text)
+    cut = int(len(text) * 0.9)
+    held_out = {
+        f"{train_text} (last 10%)": tokenize_long(tokenizer, text[cut:]),
+        other_text: tokenize_long(tokenizer, load_text(other_text)),
+    }
+    return text[:cut], held_out
+
+
+def _perplexities(
+    model, prompt, texts: dict, seqlen: int, windows: int, variant: str, progress: Callable[[str], None]
+) -> dict[str, dict[str, float]]:
+    """Perplexity on each held-out text, without and with the soft prompt."""
+    from sparsegen.eval.perplexity import prompted_ppl
+
+    ppl = {}
+    for label, ids in texts.items():
+        progress(f"{variant}: perplexity on {label}")
+        ppl[label] = {
+            "plain": prompted_ppl(model, None, ids, seqlen, windows).ppl,
+            "prompted": prompted_ppl(model, prompt, ids, seqlen, windows).ppl,
+        }
+    return ppl
 
 
 def _trained_steps(folder: Path) -> int:

@@ -51,6 +51,7 @@ def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads, 
     and for a bf16 KV cache under fp32 weights (teacher-forced through the decode step)."""
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.decode import Decoder
+    from sparsegen.kv import policy_attention
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)
@@ -72,8 +73,9 @@ def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads, 
     steps = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         decoder = Decoder(model, "full", compile="never", kv_dtype=dtype)
-        rows = [decoder.start([forced[:1]], kv_tokens)[0]]
-        rows += [decoder.step(torch.tensor([token]))[0] for token in forced[1:-1]]
+        with policy_attention(model):
+            rows = [decoder.start([forced[:1]], kv_tokens)[0]]
+            rows += [decoder.step(torch.tensor([token]))[0] for token in forced[1:-1]]
         steps[name] = torch.stack(rows)
     kv_targets = torch.tensor(forced[1:])
     kv32, kv_top32 = nll_and_top1(steps["fp32"], kv_targets)
@@ -94,6 +96,65 @@ def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads, 
 def _bound(row: dict, bandwidth: float) -> dict:
     bound_ms = (row["weight_mb"] + row["kv_mb"]) / 1e3 / bandwidth * 1e3
     return {**row, "bound_ms": bound_ms, "of_bound": bound_ms / row["ms"]}
+
+
+def _fast_runs(
+    model_name: str, folders: dict[str, Path], context: int, long_context: int, cache: int
+) -> list[tuple[str, str, str, dict, int, str]]:
+    """The fast path's configurations as (model, dtype, policy, budget, context, label): fp32, bf16
+    weights and each packed checkpoint at `context`, then dense and streaming after `long_context`."""
+    runs = [(model_name, "fp32", "full", {}, context, f"fast fp32, {context} ctx")]
+    runs += [(model_name, "bf16", "full", {}, context, f"fast bf16 weights, {context} ctx")]
+    runs += [
+        (str(path), "fp32", "full", {}, context, f"fast {label} packed, {context} ctx")
+        for label, path in folders.items()
+    ]
+    if long_context:
+        stream = {"sinks": 4, "recent": cache - 4}
+        runs += [(model_name, "fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx")]
+        label = f"fast fp32 streaming 4+{cache - 4}, after {long_context}"
+        runs += [(model_name, "fp32", "streaming", stream, long_context, label)]
+    return runs
+
+
+def _streaming_against_dense(rows: list[dict], long_context: int) -> tuple[dict, str]:
+    """How much faster streaming decodes than dense after `long_context` tokens, against what the
+    bytes each step reads allow; and that said in a sentence."""
+    dense, stream = (next(r for r in rows if r["config"].startswith(f"fast fp32 {k}")) for k in ("dense", "streaming"))
+    byte_ratio = (dense["weight_mb"] + dense["kv_mb"]) / (stream["weight_mb"] + stream["kv_mb"])
+    measured = dense["ms"] / stream["ms"]
+    note = (
+        f"streaming vs dense after {long_context} tokens: {measured:.2f}x measured, {byte_ratio:.2f}x allowed "
+        f"by the byte model: {100 * measured / byte_ratio:.0f}% of it"
+    )
+    return {"byte_model_ratio": byte_ratio, "measured_ratio": measured, "of_byte_model": measured / byte_ratio}, note
+
+
+def _packed_quality(
+    folders: dict[str, Path], quality_text: str, threads: int, device: str | None
+) -> tuple[dict[str, dict], list[str]]:
+    """Each packed checkpoint's perplexity against its dequantized self, each in its own process; and
+    a sentence per checkpoint."""
+    quality = {
+        label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads, device=device)
+        for label, path in folders.items()
+    }
+    notes = [
+        f"{label} packed: perplexity {q['ppl_packed']:.3f} vs {q['ppl_dequantized']:.3f} dequantized "
+        f"({100 * q['ppl_change']:+.2f}%, {q['tokens']} tokens of {quality_text})"
+        for label, q in quality.items()
+    ]
+    return quality, notes
+
+
+def _bf16_note(quality: dict) -> str:
+    """What `_bf16_quality_worker` measured, in a sentence."""
+    return (
+        f"bf16 weights: perplexity {quality['weights_ppl_fp32']:.3f} -> {quality['weights_ppl_bf16']:.3f}, "
+        f"top-1 agreement {100 * quality['weights_top1_agreement']:.2f}% ({quality['tokens']} tokens); "
+        f"bf16 KV cache: {quality['kv_ppl_fp32']:.3f} -> {quality['kv_ppl_bf16']:.3f}, "
+        f"top-1 agreement {100 * quality['kv_top1_agreement']:.2f}% ({quality['kv_tokens']} tokens)"
+    )
 
 
 DECODE_COLUMNS = [
@@ -136,19 +197,8 @@ def bench_decode(
     weight_mb, kv_mb_per_token = _in_process(bytes_per_step, model_name, device=device)
     base = {"ms": ms, "rss": rss, "weight_mb": weight_mb, "kv_mb": (context + new_tokens // 2) * kv_mb_per_token}
     rows = [{"config": f"generate() fp32, {context} ctx", **base}]
-    runs = [(model_name, "fp32", "full", {}, context, f"fast fp32, {context} ctx")]
-    runs += [(model_name, "bf16", "full", {}, context, f"fast bf16 weights, {context} ctx")]
     folders = _in_process(quantized_checkpoints, model_name, out, device=device) if quantized else {}
-    runs += [
-        (str(path), "fp32", "full", {}, context, f"fast {label} packed, {context} ctx")
-        for label, path in folders.items()
-    ]
-    if long_context:
-        stream = {"sinks": 4, "recent": cache - 4}
-        runs += [(model_name, "fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx")]
-        label = f"fast fp32 streaming 4+{cache - 4}, after {long_context}"
-        runs += [(model_name, "fp32", "streaming", stream, long_context, label)]
-    for name, dtype, policy, budget, length, label in runs:
+    for name, dtype, policy, budget, length, label in _fast_runs(model_name, folders, context, long_context, cache):
         progress(label)
         result = _in_process(
             _fast_worker, name, text, length, new_tokens, dtype, policy, budget, 1, threads, device=device
@@ -171,37 +221,16 @@ def bench_decode(
     result = {"rows": rows}
     notes = []
     if long_context:
-        dense, stream = (
-            next(r for r in rows if r["config"].startswith(f"fast fp32 {k}")) for k in ("dense", "streaming")
-        )
-        byte_ratio = (dense["weight_mb"] + dense["kv_mb"]) / (stream["weight_mb"] + stream["kv_mb"])
-        measured = dense["ms"] / stream["ms"]
-        result["streaming"] = {"byte_model_ratio": byte_ratio, "measured_ratio": measured}
-        result["streaming"]["of_byte_model"] = measured / byte_ratio
-        notes.append(
-            f"streaming vs dense after {long_context} tokens: {measured:.2f}x measured, {byte_ratio:.2f}x allowed "
-            f"by the byte model: {100 * measured / byte_ratio:.0f}% of it"
-        )
+        result["streaming"], note = _streaming_against_dense(rows, long_context)
+        notes.append(note)
     if folders:
         progress(f"quantized perplexity on {quality_text}: packed vs dequantized")
-        result["quantized"] = {
-            label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads, device=device)
-            for label, path in folders.items()
-        }
-        notes += [
-            f"{label} packed: perplexity {q['ppl_packed']:.3f} vs {q['ppl_dequantized']:.3f} dequantized "
-            f"({100 * q['ppl_change']:+.2f}%, {q['tokens']} tokens of {quality_text})"
-            for label, q in result["quantized"].items()
-        ]
+        result["quantized"], quantized_notes = _packed_quality(folders, quality_text, threads, device)
+        notes += quantized_notes
     progress("what bf16 costs: perplexity and top-1 agreement with fp32")
     quality = _in_process(_bf16_quality_worker, model_name, text, 1024, 4, 256, threads, device=device)
     result["bf16"] = quality
-    notes.append(
-        f"bf16 weights: perplexity {quality['weights_ppl_fp32']:.3f} -> {quality['weights_ppl_bf16']:.3f}, "
-        f"top-1 agreement {100 * quality['weights_top1_agreement']:.2f}% ({quality['tokens']} tokens); "
-        f"bf16 KV cache: {quality['kv_ppl_fp32']:.3f} -> {quality['kv_ppl_bf16']:.3f}, "
-        f"top-1 agreement {100 * quality['kv_top1_agreement']:.2f}% ({quality['kv_tokens']} tokens)"
-    )
+    notes.append(_bf16_note(quality))
     meta = run_meta(model=model_name, text=text, bandwidth_gbs=bandwidth, new_tokens=new_tokens)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_decode.json", {"meta": meta, **result})

@@ -58,14 +58,18 @@ def _prompts(model, rows: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(10, model.config.vocab_size, (rows, length), generator=generator).tolist()
 
 
+def _kv_dtype(model) -> torch.dtype:
+    """The dtype `generate` keeps keys and values in: the weights' on an accelerator, fp32 on a CPU."""
+    return next(model.parameters()).dtype if model.device.type != "cpu" else torch.float32
+
+
 def _decode_row(model, what, setting, rows, context, new_tokens, bandwidth, compile="always", held=None, **options):
     """Tokens/s of `new_tokens` greedy steps after `context` random prompt tokens per row (the
     compiler starts afresh: every row's step is compiled for its own shapes, once)."""
     torch._dynamo.reset()
     out = generate(model, _prompts(model, rows, context), new_tokens, compile=compile, eos_token_id=[],
                    notify=lambda message: None, **options)  # fmt: skip
-    kv_dtype = next(model.parameters()).dtype if model.device.type != "cpu" else torch.float32
-    moved = step_bytes(model, rows, held if held is not None else context + new_tokens // 2, kv_dtype)
+    moved = step_bytes(model, rows, held if held is not None else context + new_tokens // 2, _kv_dtype(model))
     gbs = moved / (out.ms_per_step / 1000) / 1e9
     return {"what": what, "setting": setting, "batch": rows, "tokens_per_s": round(out.tokens_per_s, 1),
             "ms": round(out.ms_per_step, 3), "gbs": round(gbs, 1), "bound": f"{gbs / bandwidth:.0%}",
@@ -112,6 +116,68 @@ def _time(run: Callable, repeats: int = 50) -> float:
     return best
 
 
+def _fixed_memory_rows(model, kv_mb: float, prompt: int, new_tokens: int, bandwidth: float) -> list[dict]:
+    """Dense and h2o (20% of each prompt held) at the largest batch that fits in `kv_mb` of KV."""
+    per_token = kv_bytes_per_token(model, _kv_dtype(model))
+    fits = {"full": int(kv_mb * 2**20 // (per_token * (prompt + new_tokens))),
+            "h2o": int(kv_mb * 2**20 // (per_token * (prompt // 5 + 1)))}  # fmt: skip
+    fixed = []
+    for policy, batch in fits.items():
+        budget = {"heavy": 0.1, "recent": 0.1} if policy == "h2o" else {}
+        row = _decode_row(
+            model,
+            "fixed KV memory",
+            f"{policy}, {kv_mb:.0f} MB",
+            max(batch, 1),
+            prompt,
+            new_tokens,
+            bandwidth,
+            held=prompt // 5 if budget else None,
+            policy=policy,
+            prefill_chunk=512,
+            **budget,
+        )
+        fixed.append(row)  # fmt: skip
+    return _versus(fixed, fixed[0])
+
+
+def _contextual_rows(
+    model, context: int, new_tokens: int, bandwidth: float, sparsities: tuple[float, ...], compile: str
+) -> list[dict]:
+    """TEAL and neuron thresholds at each sparsity (and at batch 4, TEAL with one selection shared
+    by the batch), against dense at the same batch, at batch 1 and 4; the model is left dense."""
+    rows = []
+    ids = torch.randint(10, model.config.vocab_size, (4, 128), device=model.device)
+    for batch in (1, 4):
+        base = _decode_row(model, "contextual", "dense", batch, context, new_tokens, bandwidth, compile=compile)
+        group = [base]
+        variants = [("teal", {}), ("threshold", {})]
+        variants += [("teal", {"batch_selection": "shared"})] if batch > 1 else []
+        for method, settings in variants:
+            for sparsity in sparsities:
+                text = ids if method != "teal" else None
+                sparsify(model, method, sparsity, calibration=text, progress=False, **settings)
+                label = f"{method} {sparsity:.0%}" + (" (shared selection)" if settings else "")
+                group.append(_decode_row(model, "contextual", label, batch, context, new_tokens, bandwidth,
+                                         compile=compile))  # fmt: skip
+                densify(model)
+        rows += _versus(group, base)
+    return rows
+
+
+def _pruning_rows(shape: str, device: torch.device, dtype: torch.dtype, samples: int, seqlen: int) -> list[dict]:
+    """Wanda's and SparseGPT's time per decoder layer, on a two-layer model of `shape`."""
+    rows = []
+    for method in ("wanda", "sparsegpt"):
+        pruned = random_llama(shape, device, dtype, layers=2)
+        text = torch.randint(10, pruned.config.vocab_size, (samples, seqlen), device=device)
+        report = prune(pruned, method, 0.5, calibration=text, progress=False)
+        rows.append({"what": "pruning", "setting": f"{method} 50%, {samples} x {seqlen} tokens",
+                     "ms": round(report.seconds / 2 * 1000, 1), "note": "per decoder layer"})  # fmt: skip
+        del pruned
+    return rows
+
+
 def bench_gpu(
     shape: str = "llama3-8b",
     device: str | None = None,
@@ -154,44 +220,10 @@ def bench_gpu(
     rows += _versus(long, long[0])
 
     progress(f"throughput in {kv_mb:.0f} MB of KV")
-    per_token = kv_bytes_per_token(model, dtype if device.type != "cpu" else torch.float32)
-    fits = {"full": int(kv_mb * 2**20 // (per_token * (prompt + new_tokens))),
-            "h2o": int(kv_mb * 2**20 // (per_token * (prompt // 5 + 1)))}  # fmt: skip
-    fixed = []
-    for policy, batch in fits.items():
-        budget = {"heavy": 0.1, "recent": 0.1} if policy == "h2o" else {}
-        row = _decode_row(
-            model,
-            "fixed KV memory",
-            f"{policy}, {kv_mb:.0f} MB",
-            max(batch, 1),
-            prompt,
-            new_tokens,
-            bandwidth,
-            held=prompt // 5 if budget else None,
-            policy=policy,
-            prefill_chunk=512,
-            **budget,
-        )
-        fixed.append(row)  # fmt: skip
-    rows += _versus(fixed, fixed[0])
+    rows += _fixed_memory_rows(model, kv_mb, prompt, new_tokens, bandwidth)
 
     progress("contextual sparsity (TEAL, neuron thresholds) at batch 1 and 4")
-    ids = torch.randint(10, model.config.vocab_size, (4, 128), device=device)
-    for batch in (1, 4):
-        base = _decode_row(model, "contextual", "dense", batch, context, new_tokens, bandwidth, compile=compile)
-        group = [base]
-        variants = [("teal", {}), ("threshold", {})]
-        variants += [("teal", {"batch_selection": "shared"})] if batch > 1 else []
-        for method, settings in variants:
-            for sparsity in sparsities:
-                text = ids if method != "teal" else None
-                sparsify(model, method, sparsity, calibration=text, progress=False, **settings)
-                label = f"{method} {sparsity:.0%}" + (" (shared selection)" if settings else "")
-                group.append(_decode_row(model, "contextual", label, batch, context, new_tokens, bandwidth,
-                                         compile=compile))  # fmt: skip
-                densify(model)
-        rows += _versus(group, base)
+    rows += _contextual_rows(model, context, new_tokens, bandwidth, sparsities, compile)
 
     progress("2:4 against dense")
     config = model.config
@@ -199,14 +231,7 @@ def bench_gpu(
     del model
 
     progress("pruning time per layer")
-    samples, seqlen = calibration
-    for method in ("wanda", "sparsegpt"):
-        pruned = random_llama(shape, device, dtype, layers=2)
-        text = torch.randint(10, pruned.config.vocab_size, (samples, seqlen), device=device)
-        report = prune(pruned, method, 0.5, calibration=text, progress=False)
-        rows.append({"what": "pruning", "setting": f"{method} 50%, {samples} x {seqlen} tokens",
-                     "ms": round(report.seconds / 2 * 1000, 1), "note": "per decoder layer"})  # fmt: skip
-        del pruned
+    rows += _pruning_rows(shape, device, dtype, *calibration)
 
     weights = "random (real shapes; contextual thresholds calibrated to keep the stated share)"
     meta = run_meta(shape=shape, device=name, dtype=str(dtype), bandwidth_gbs=round(bandwidth, 1), weights=weights)

@@ -56,13 +56,13 @@ def generate_latency(
     from transformers import DynamicCache, LogitsProcessorList
 
     from sparsegen.bench.measure import TokenClock, peak_rss_mb
-    from sparsegen.kv import make_cache
+    from sparsegen.kv import make_cache, policy_attention
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, context, device=device)
     cache = DynamicCache() if cache_size is None else make_cache(model, policy, budget=cache_size)
     clock = TokenClock()
-    with torch.inference_mode():
+    with torch.inference_mode(), policy_attention(model):
         model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -103,14 +103,14 @@ def _stream_rss_worker(
 ):
     """RSS along a long stream through a streaming cache (text repeated as needed)."""
     from sparsegen.bench.measure import current_rss_mb
-    from sparsegen.kv import make_cache
+    from sparsegen.kv import make_cache, policy_attention
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, min(tokens, 400_000), device=device)
     ids = ids[0].repeat((tokens + ids.numel() - 1) // ids.numel())[:tokens]
     cache = make_cache(model, "streaming", budget=cache_size, sinks=4)
     samples = []
-    with torch.inference_mode():
+    with torch.inference_mode(), policy_attention(model):
         for start in range(0, tokens, chunk):
             model(ids[None, start : start + chunk], cache=cache, use_cache=True)
             done = min(tokens, start + chunk)
@@ -126,6 +126,24 @@ def bytes_per_step(model_name: str, device: str | None = None) -> tuple[float, f
 
     model, _ = load(model_name, device=device)
     return weight_bytes(model) / 1e6, kv_bytes_per_token(model, torch.float32) / 1e6
+
+
+def _stream_table(entry: dict, cache: int) -> str:
+    """RSS and KV MB along one stream through a streaming cache of `cache` tokens, under its heading."""
+    samples = [{"tokens": t, "rss": r, "kv": k} for t, r, k in entry["samples"]]
+    columns = [("tokens", "tokens streamed"), ("rss", "RSS MB"), ("kv", "KV MB")]
+    return f"\nRSS along a {entry['tokens']}-token stream, cache {cache}:\n" + markdown_table(samples, columns)
+
+
+def _plot_latency(rows: list[dict], context: int, path: Path, title: str) -> None:
+    """ms per token against the cache size: streaming, re-computation, and dense after `context` tokens."""
+    xs = [r["cache"] for r in rows]
+    lines = {
+        "streaming": (xs, [r["streaming_ms"] for r in rows]),
+        "sliding window + re-computation": (xs, [r["recompute_ms"] for r in rows]),
+        f"dense (full cache, {context}+ tokens)": (xs, [r["dense_ms"] for r in rows]),
+    }
+    plot_lines(lines, path, xlabel="cache size W (tokens)", ylabel="ms per generated token", title=title, logy=True)
 
 
 def bench_kv(
@@ -185,22 +203,10 @@ def bench_kv(
     memory = []
     for tokens in stream_tokens:
         progress(f"RSS along a {tokens}-token stream (cache {sizes[0]})")
-        memory.append(
-            {
-                "tokens": tokens,
-                "samples": _in_process(
-                    _stream_rss_worker,
-                    model_name,
-                    text,
-                    tokens,
-                    sizes[0],
-                    256,
-                    max(1000, tokens // 20),
-                    threads,
-                    device=device,
-                ),
-            }
+        samples = _in_process(
+            _stream_rss_worker, model_name, text, tokens, sizes[0], 256, max(1000, tokens // 20), threads, device=device
         )
+        memory.append({"tokens": tokens, "samples": samples})
     meta = run_meta(model=model_name, text=text, context=context, new_tokens=new_tokens, bandwidth_gbs=bandwidth)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_kv.json", {"meta": meta, "rows": rows, "memory": memory})
@@ -208,26 +214,7 @@ def bench_kv(
         f"decode after {context} tokens of `{text}`, model `{model_name}`, {meta['machine']}, {meta['date']}\n",
         markdown_table(rows, [*COLUMNS[:2], *((f"{p}_ms", f"{p} ms/token") for p in also), *COLUMNS[2:]]),
     ]
-    for entry in memory:
-        lines.append(f"\nRSS along a {entry['tokens']}-token stream, cache {sizes[0]}:\n")
-        lines.append(
-            markdown_table(
-                [{"tokens": t, "rss": r, "kv": k} for t, r, k in entry["samples"]],
-                [("tokens", "tokens streamed"), ("rss", "RSS MB"), ("kv", "KV MB")],
-            )
-        )
+    lines += [_stream_table(entry, sizes[0]) for entry in memory]
     write_text(out / "bench_kv.md", "".join(lines))
-    xs = [r["cache"] for r in rows]
-    plot_lines(
-        {
-            "streaming": (xs, [r["streaming_ms"] for r in rows]),
-            "sliding window + re-computation": (xs, [r["recompute_ms"] for r in rows]),
-            f"dense (full cache, {context}+ tokens)": (xs, [r["dense_ms"] for r in rows]),
-        },
-        out / "bench_kv.png",
-        xlabel="cache size W (tokens)",
-        ylabel="ms per generated token",
-        title=f"{model_name}: decode latency vs cache size",
-        logy=True,
-    )
+    _plot_latency(rows, context, out / "bench_kv.png", title=f"{model_name}: decode latency vs cache size")
     return {"meta": meta, "rows": rows, "memory": memory}

@@ -23,6 +23,13 @@ SPEED_COLUMNS = [
     ("sparse_tok_s", "accelerated tok/s"),
     ("speedup", "speedup"),
 ]
+GEMV_COLUMNS = [
+    ("sparsity", "sparsity"),
+    ("dense_us", "dense"),
+    ("csr32_us", "CSR int32"),
+    ("csr64_us", "CSR int64"),
+    ("csr32_speedup", "dense / CSR int32"),
+]
 
 
 def _decode_tok_s(model, ids: torch.Tensor, tokens: int) -> float:
@@ -103,16 +110,7 @@ def bench_prune(
                 "\n",
                 markdown_table(speed, SPEED_COLUMNS),
                 f"\nbatch-1 GEMV of a {gemv_shape[0]} x {gemv_shape[1]} weight, microseconds:\n\n",
-                markdown_table(
-                    gemv,
-                    [
-                        ("sparsity", "sparsity"),
-                        ("dense_us", "dense"),
-                        ("csr32_us", "CSR int32"),
-                        ("csr64_us", "CSR int64"),
-                        ("csr32_speedup", "dense / CSR int32"),
-                    ],
-                ),
+                markdown_table(gemv, GEMV_COLUMNS),
                 f"\n2:4 semi-structured: {meta['semi_structured_2_4']}\n",
             ]
         ),

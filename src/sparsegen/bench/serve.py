@@ -61,6 +61,17 @@ class ServeConfig:
         return cls(spec, policy, count_or_share(budget or None))
 
 
+def configs_to_measure(specs: str, baseline_src: Path | None = None) -> list[ServeConfig]:
+    """The servers of comma-separated `specs`, after a baseline: another checkout's `src/` folder,
+    whose server is measured too (policy full)."""
+    configs = [ServeConfig.parse(spec) for spec in specs.split(",") if spec]
+    if baseline_src is not None:
+        if not (baseline_src / "sparsegen").is_dir():
+            raise SparsegenError(f"{baseline_src} has no sparsegen package; pass the src/ folder of a checkout")
+        configs.insert(0, ServeConfig(f"baseline {baseline_src}", "full", src=baseline_src.resolve()))
+    return configs
+
+
 def percentile(values: list[float], share: float) -> float:
     if not values:
         return float("nan")
@@ -197,6 +208,42 @@ def single_request_answers(model, tokenizer, config: ServeConfig, prompts, max_t
     return answers
 
 
+def _measure_point(
+    config: ServeConfig,
+    model_name: str,
+    options: list[str],
+    prompts: list[list[int]],
+    clients: int,
+    requests: int,
+    max_tokens: int,
+) -> dict:
+    """`run_load` against a server of its own (so its peak RSS is its own), stopped after."""
+    port = free_port()
+    server = start_server(config, model_name, port, options)
+    try:
+        point = run_load(f"http://127.0.0.1:{port}", model_name, prompts, clients, requests, max_tokens)
+        point["peak_rss_mb"] = rss_mb(server.pid, "VmHWM")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return point
+
+
+def _plot_per_clients(rows: list[dict], configs: list[ServeConfig], out: Path, title: str) -> None:
+    """Total tokens/s and p99 inter-token latency against the number of clients, a line per configuration."""
+    from sparsegen.report import plot_lines
+
+    for key, label, name in (("tokens_per_s", "total tokens/s", "tokens"), ("itl_p99", "p99 inter-token ms", "p99")):
+        lines = {
+            c.label: (
+                [r["clients"] for r in rows if r["config"] == c.label],
+                [r[key] for r in rows if r["config"] == c.label],
+            )
+            for c in configs
+        }
+        plot_lines(lines, out / f"bench_serve_{name}.png", xlabel="concurrent clients", ylabel=label, title=title)
+
+
 def bench_serve(
     model_name: str,
     text: str,
@@ -221,7 +268,7 @@ def bench_serve(
     from sparsegen.data import text_stretches
     from sparsegen.ioutil import write_json, write_text
     from sparsegen.loading import load
-    from sparsegen.report import markdown_table, plot_lines, run_meta
+    from sparsegen.report import markdown_table, run_meta
 
     bandwidth = read_bandwidth_gbs()
     model, tokenizer = load(model_name, device=device)
@@ -236,14 +283,7 @@ def bench_serve(
         for count in clients:
             progress(f"{config.label}: {count} clients x {requests} requests of {max_tokens} tokens")
             extra = [] if config.src else ["--prefill-chunk", str(prefill_chunk), "--max-queue", str(max_queue)]
-            port = free_port()
-            server = start_server(config, model_name, port, options + extra)
-            try:
-                point = run_load(f"http://127.0.0.1:{port}", model_name, prompts, count, requests, max_tokens)
-                point["peak_rss_mb"] = rss_mb(server.pid, "VmHWM")
-            finally:
-                server.terminate()
-                server.wait(timeout=60)
+            point = _measure_point(config, model_name, options + extra, prompts, count, requests, max_tokens)
             answers = point.pop("answers")
             if check:
                 missing = sorted({which for which, _ in answers} - references.keys())
@@ -276,118 +316,5 @@ def bench_serve(
         f"{meta['date']}. Bound: most rows active x {bandwidth:.1f} GB/s / {step_bytes / 1e6:.0f} MB of weights.\n\n"
     )
     write_text(out / "bench_serve.md", head + markdown_table(rows, COLUMNS))
-    for key, label, name in (("tokens_per_s", "total tokens/s", "tokens"), ("itl_p99", "p99 inter-token ms", "p99")):
-        plot_lines(
-            {
-                c.label: (
-                    [r["clients"] for r in rows if r["config"] == c.label],
-                    [r[key] for r in rows if r["config"] == c.label],
-                )
-                for c in configs
-            },
-            out / f"bench_serve_{name}.png",
-            xlabel="concurrent clients",
-            ylabel=label,
-            title=f"{model_name}: sparsegen serve, --max-kv-mb {max_kv_mb}",
-        )
+    _plot_per_clients(rows, configs, out, title=f"{model_name}: sparsegen serve, --max-kv-mb {max_kv_mb}")
     return {"meta": meta, "rows": rows}
-
-
-SOAK_KINDS = ("greedy", "greedy", "greedy", "greedy", "greedy", "cancel", "bad field", "too long", "chat", "greedy")
-BAD_FIELDS = ({"temperature": 5}, {"kv_policy": "nope"}, {"max_tokens": -1}, {"top_p": 0}, {"kv_budget": -3})
-
-
-def soak_request(client: httpx.Client, base: str, model: str, index: int, prompt: list[int], max_tokens: int) -> dict:
-    """Request `index` of the soak, of kind `SOAK_KINDS[index % 10]`: what happened to it."""
-    kind = SOAK_KINDS[index % len(SOAK_KINDS)]
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    if kind == "greedy":
-        return {"kind": kind, **stream_completion(client, base, {**body, "stream": True})}
-    if kind == "cancel":  # read a few tokens, then hang up
-        with client.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=600) as response:
-            for seen, _ in enumerate(response.iter_lines()):
-                if seen >= 3:
-                    break
-        return {"kind": kind, "status": response.status_code}
-    if kind == "chat":
-        messages = [{"role": "user", "content": f"Say something about the number {index}."}]
-        answer = client.post(f"{base}/v1/chat/completions", json={**body, "messages": messages}, timeout=600)
-        return {"kind": kind, "status": answer.status_code}
-    if kind == "too long":  # more than the model's positions under the unbounded policy
-        body = {**body, "prompt": prompt * (9000 // len(prompt) + 1), "kv_policy": "full"}
-    else:
-        body = {**body, **BAD_FIELDS[index // len(SOAK_KINDS) % len(BAD_FIELDS)]}
-    answer = client.post(f"{base}/v1/completions", json=body, timeout=600)
-    return {"kind": kind, "status": answer.status_code, "error": answer.json().get("error", {}).get("message")}
-
-
-def soak(
-    model_name: str,
-    config: ServeConfig,
-    requests: int = 200,
-    clients: int = 16,
-    max_tokens: int = 32,
-    max_kv_mb: int = 512,
-    text: str = "shakespeare",
-    progress=print,
-    device: str | None = None,
-) -> dict:
-    """`requests` mixed requests from `clients` threads (greedy, cancelled, bad fields, too long,
-    chat) against one server: its RSS along the way, rows left at the end, greedy answers checked."""
-    from sparsegen.data import text_stretches
-    from sparsegen.loading import load
-
-    model, tokenizer = load(model_name, device=device)
-    prompts = [p for length in (24, 96, 200) for p in text_stretches(tokenizer, text, 4, length)]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    options = ["--max-kv-mb", str(max_kv_mb), "--max-tokens-limit", "4096", *(["--device", device] if device else [])]
-    server = start_server(config, model_name, port, options)
-    outcomes: list[dict] = []
-    rss: list[tuple[int, float]] = []
-    lock = threading.Lock()
-    counter = iter(range(requests))
-
-    def client_thread() -> None:
-        with httpx.Client() as client:
-            for index in counter:
-                try:
-                    outcome = soak_request(client, base, model_name, index, prompts[index % len(prompts)], max_tokens)
-                except (SparsegenError, httpx.HTTPError) as exc:
-                    outcome = {"kind": "failed", "error": str(exc)}
-                with lock:
-                    outcomes.append({"index": index, **outcome})
-                    if len(outcomes) % 20 == 0:
-                        rss.append((len(outcomes), rss_mb(server.pid)))
-                        progress(f"{len(outcomes)} requests answered, server RSS {rss[-1][1]:.0f} MB")
-
-    try:
-        threads = [threading.Thread(target=client_thread) for _ in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        time.sleep(1.5)  # the worker notices hung-up clients between steps
-        health = httpx.get(f"{base}/health", timeout=10).json()
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    greedy = [o for o in outcomes if o["kind"] == "greedy"]
-    progress(f"single-request answers of {len(prompts)} prompts")
-    references = single_request_answers(model, tokenizer, config, prompts, max_tokens, 512)
-    equal = sum(o["text"] == references[o["index"] % len(prompts)] for o in greedy)
-    statuses: dict[str, dict[str, int]] = {}
-    for o in outcomes:
-        key = str(o.get("status", "200" if o["kind"] == "greedy" else "-"))
-        statuses.setdefault(o["kind"], {}).setdefault(key, 0)
-        statuses[o["kind"]][key] += 1
-    return {
-        "config": config.label,
-        "requests": len(outcomes),
-        "statuses": statuses,
-        "greedy_equal": f"{equal}/{len(greedy)}",
-        "rss_mb": rss,
-        "left_active": health.get("active"),
-        "left_queued": health.get("queued"),
-        "failures": [o["error"] for o in outcomes if o["kind"] == "failed"][:5],
-    }

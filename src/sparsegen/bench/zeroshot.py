@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sparsegen.eval.zeroshot import zeroshot_job
@@ -74,14 +75,8 @@ def bench_zeroshot(
         if method != "dense":
             if calibration is None:
                 calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
-            prune(
-                model,
-                method,
-                0.5,
-                None if pattern == "unstructured" else pattern,
-                calibration=calibration,
-                progress=False,
-            )
+            structure = None if pattern == "unstructured" else pattern
+            prune(model, method, 0.5, structure, calibration=calibration, progress=False)
         return SparsegenLM(loaded=(model, tokenizer), batch_size=batch_size)
 
     pruning = [
@@ -99,19 +94,7 @@ def bench_zeroshot(
             lambda: HFLM(pretrained=resolve_model_path(model_name), device="cpu", batch_size=batch_size),
         )
     )
-    loaded = load(model_name, device=device)
-    # The full cache is the dense model of the pruning table: its row is reused, not recomputed.
-    kv = [{**pruning[0], "method": None, "pattern": None, "policy": "full", "budget": None}] + [
-        run(
-            out / "kv" / policy,
-            {"policy": policy, "budget": share},
-            lambda p=policy: SparsegenLM(
-                loaded=loaded, policy=p, budget=share, sinks=4 if "sinks" in POLICIES[p].budget_parts() else None
-            ),
-        )
-        for policy in sorted(POLICIES)
-        if policy != "full"
-    ]
+    kv = _kv_rows(run, load(model_name, device=device), share, dense=pruning[0], folder=out / "kv")
     result = run_meta(
         model=model_name,
         tasks=tasks,
@@ -124,12 +107,37 @@ def bench_zeroshot(
         seconds=round(time.perf_counter() - started),
     )
     write_json(out / "bench_zeroshot.json", result)
+    write_text(out / "bench_zeroshot.md", _tables(pruning, kv, tasks, limit, share))
+    return result
+
+
+def _kv_rows(
+    run: Callable[[Path, dict, Callable], dict], loaded: tuple, share: float, dense: dict, folder: Path
+) -> list[dict]:
+    """The full cache (the dense model of the pruning table: its row is reused, not recomputed),
+    then every other policy at `share` of each request, through `run(folder, label, make_lm)`."""
+    from sparsegen.eval.harness import SparsegenLM
+
+    full = {**dense, "method": None, "pattern": None, "policy": "full", "budget": None}
+    return [full] + [
+        run(
+            folder / policy,
+            {"policy": policy, "budget": share},
+            lambda p=policy: SparsegenLM(
+                loaded=loaded, policy=p, budget=share, sinks=4 if "sinks" in POLICIES[p].budget_parts() else None
+            ),
+        )
+        for policy in sorted(POLICIES)
+        if policy != "full"
+    ]
+
+
+def _tables(pruning: list[dict], kv: list[dict], tasks: list[str], limit: int | None, share: float) -> str:
+    """Both tables in markdown: accuracy per task and the mean, per pruning row and per KV policy."""
     task_columns = [(t, t) for t in tasks] + [("mean", "mean")]
-    write_text(
-        out / "bench_zeroshot.md",
+    return (
         f"Weight sparsity at 50% (acc, {limit or 'all'} items per task)\n\n"
         + markdown_table(pruning, [("method", "method"), ("pattern", "pattern"), *task_columns])
         + f"\nKV policies at {share:.0%} of each request (acc)\n\n"
-        + markdown_table(kv, [("policy", "policy"), ("budget", "budget"), *task_columns]),
+        + markdown_table(kv, [("policy", "policy"), ("budget", "budget"), *task_columns])
     )
-    return result

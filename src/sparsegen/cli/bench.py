@@ -34,17 +34,12 @@ def bench_serve_command(
 ) -> None:
     """Real HTTP clients against `sparsegen serve`: tokens/s, time to first token and inter-token
     latency, rows admitted and queued, server RSS, per configuration and number of clients."""
-    from sparsegen.bench.serve import ServeConfig, bench_serve
+    from sparsegen.bench.serve import bench_serve, configs_to_measure
 
-    servers = [ServeConfig.parse(spec) for spec in configs.split(",") if spec]
-    if baseline_src is not None:
-        if not (baseline_src / "sparsegen").is_dir():
-            raise SparsegenError(f"{baseline_src} has no sparsegen package; pass the src/ folder of a checkout")
-        servers.insert(0, ServeConfig(f"baseline {baseline_src}", "full", src=baseline_src.resolve()))
     bench_serve(
         model,
         text,
-        servers,
+        configs_to_measure(configs, baseline_src),
         tuple(int(c) for c in clients.split(",")),
         tuple(int(p) for p in prompt_tokens.split(",")),
         max_tokens,
@@ -73,9 +68,8 @@ def bench_soak_command(
 ) -> None:
     """A bounded soak of `sparsegen serve`: greedy, cancelled, malformed, too long and chat requests
     from many clients; the server's RSS along the way, rows left at the end, answers checked."""
-    from sparsegen.bench.serve import ServeConfig, soak
-    from sparsegen.ioutil import write_json
-    from sparsegen.report import run_meta
+    from sparsegen.bench.serve import ServeConfig
+    from sparsegen.bench.soak import soak
 
     result = soak(
         model,
@@ -84,10 +78,10 @@ def bench_soak_command(
         clients,
         max_tokens,
         max_kv_mb,
+        out=out_dir,
         progress=lambda m: err.print(m),
         device=device,
     )
-    write_json(out_dir / "bench_soak.json", {"meta": run_meta(model=model), **result})
     for key, value in result.items():
         out.print(f"{key}: {value}")
     out.print(f"wrote {out_dir}/bench_soak.json")

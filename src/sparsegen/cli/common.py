@@ -46,12 +46,18 @@ HeavyOpt = typer.Option(None, "--heavy", help="Heavy-hitter tokens kept (h2o pol
 PositionOpt = typer.Option(None, "--position", help="original or rolling (default: the policy's).")
 
 
-def budget_parts(budget: int | None, sinks: int | None, recent: int | None, heavy: int | None) -> dict:
-    """The budget keywords for make_cache from the CLI options (a total, or the parts given)."""
-    parts = {k: v for k, v in (("sinks", sinks), ("recent", recent), ("heavy", heavy)) if v is not None}
-    if budget is not None:
-        return {"budget": budget, **({"sinks": sinks} if sinks is not None else {})}
-    return parts
+def policy_budget(
+    policy: str,
+    budget: int | float | None,
+    sinks: int | None = None,
+    heavy: int | float | None = None,
+    recent: int | float | None = None,
+) -> dict[str, int | float]:
+    """The policy's budget parts from the CLI's options, by the kv rule (`resolve_budget`), before
+    the model loads: conflicting options fail at once, as one line."""
+    from sparsegen.kv.policy import resolve_budget
+
+    return resolve_budget(policy, None, budget, {"sinks": sinks, "heavy": heavy, "recent": recent})
 
 
 def reads_from_disk(model: str, from_disk: bool | None) -> bool:

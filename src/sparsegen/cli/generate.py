@@ -19,9 +19,9 @@ from sparsegen.cli.common import (
     RecentOpt,
     SinksOpt,
     app,
-    budget_parts,
     err,
     out,
+    policy_budget,
 )
 
 
@@ -83,6 +83,7 @@ def generate(
     from sparsegen.loading import load
     from sparsegen.models import dtype_named
 
+    cache_options = dict(position=position, **policy_budget(policy, budget, sinks, heavy, recent))
     loaded, tokenizer = load(model, dtype=dtype_named(dtype, "--dtype") if dtype else None, device=device)
     if chat:
         encoded = tokenizer.apply_chat_template(
@@ -90,7 +91,6 @@ def generate(
         )
     else:
         encoded = tokenizer(prompt, return_tensors="pt")
-    cache_options = dict(position=position, **budget_parts(budget, sinks, recent, heavy))
     held = None
     if prompt_file is not None:  # the soft prompt's KV, read once, is the row's pinned start
         from sparsegen.prompt import SoftPrompt
@@ -180,15 +180,9 @@ def chat(
     from sparsegen.kv.chat import StreamingChat
     from sparsegen.loading import load
 
+    parts = policy_budget(policy, budget, sinks)
     loaded, tokenizer = load(model, device=device)
-    session = StreamingChat(
-        loaded,
-        tokenizer,
-        policy,
-        position=position,
-        max_new_tokens=max_new_tokens,
-        **budget_parts(budget, sinks, None, None),
-    )
+    session = StreamingChat(loaded, tokenizer, policy, position=position, max_new_tokens=max_new_tokens, **parts)
     if mtbench:
         turns = [turn for question in load_mtbench() for turn in question["turns"]][:mtbench]
     else:
@@ -251,7 +245,7 @@ def serve(
     application = build_app(
         model,
         policy,
-        budget_parts(count_or_share(budget), sinks, None, None),
+        policy_budget(policy, count_or_share(budget), sinks),
         max_kv_bytes=max_kv_mb << 20,
         max_tokens_limit=max_tokens_limit,
         prefill_chunk=prefill_chunk,

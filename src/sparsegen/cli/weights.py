@@ -18,7 +18,7 @@ def _load_to_rewrite(registry, from_disk, out_dir, job, device):
     from disk to `out_dir`."""
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.distributed import init_from_env
-    from sparsegen.layerwise import IN_MEMORY, OnDevice
+    from sparsegen.layerwise_blocks import IN_MEMORY, OnDevice
     from sparsegen.loading import load, resolve_model_path
     from sparsegen.models import default_dtype, pick_device
     from sparsegen.scale import DiskBlocks, fits_on_gpu, open_lazy

@@ -21,6 +21,7 @@ import torch
 from sparsegen.decode.state import StaticKV, capacity_for, slots_of, stack
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import few_row_linears, restore_linears, use_gemv
+from sparsegen.kv.attention import require_policy_attention
 from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy, make_policy
@@ -216,6 +217,7 @@ class Decoder:
         """Feed one token per row [b]; returns the next-token logits [b, vocab]."""
         if self.state is None or not self.rows:
             raise SparsegenError("call start(prompts) (or join rows) before step()")
+        require_policy_attention(self.model)
         if self._wants_compiled():
             self._switch_to_compiled()
         self.state.seen += 1

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import torch
 
 from sparsegen.decode.engine import Decoder
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy
-from sparsegen.sampling import as_token_set, choose, stop_tokens, until_stop
+from sparsegen.sampling import StopRule, Verdict, as_token_set, choose, stop_tokens
 
 
 @dataclass
 class Generation:
-    """What `generate()` made: the new tokens of each row (up to and including EOS), and timings."""
+    """What `generate()` made: the new tokens of each row (up to and including its stop token), and timings."""
 
     tokens: list[list[int]]
     mode: str
@@ -59,6 +62,7 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
+    tokenizer=None,
     compile: str = "auto",
     kv_dtype: torch.dtype | None = None,
     streamer=None,
@@ -72,17 +76,19 @@ def generate(
 
     `input_ids` is a [b, n] tensor (left- or right-padded, with its `attention_mask`) or a list
     of token lists of any lengths; `held` may give a row a policy cache to continue (a soft
-    prompt's, a conversation's). Rows stop at `eos_token_id` (default: `stop_tokens(model)`);
-    the batch stops when every row has. Prompts are read `prefill_chunk` tokens per forward
-    (None: one). Sampling (temperature > 0, top-p) draws each row from its own generator seeded
-    `seed`. `streamer` (a transformers streamer, batch 1) receives tokens as they come; `notify`
-    gets the one-line notes on compiling (default: stderr). A `decoder` may be passed to reuse
-    its compiled step.
+    prompt's, a conversation's). Rows stop at `eos_token_id`, by default the model's EOS and,
+    given the `tokenizer`, its EOS and the chat template's turn tokens (`stop_tokens`), as the
+    CLI and the server stop; the batch stops when every row has. Prompts are read
+    `prefill_chunk` tokens per forward (None: one). Sampling (temperature > 0, top-p) draws each
+    row from its own generator seeded `seed`. `streamer` (a transformers streamer, batch 1)
+    receives tokens as they come; `notify` gets the one-line notes on compiling (default:
+    stderr). A `decoder` may be passed to reuse its compiled step.
     """
     if max_new_tokens < 1:
         raise SparsegenError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts = _rows(input_ids, attention_mask)
-    stops = stop_tokens(model) if eos_token_id is None else as_token_set(eos_token_id)
+    stops = stop_tokens(model, tokenizer) if eos_token_id is None else as_token_set(eos_token_id)
+    rule = StopRule(max_new_tokens, frozenset(stops))
     own_decoder = decoder is None
     if own_decoder:
         options = {"notify": notify} if notify is not None else {}
@@ -99,30 +105,61 @@ def generate(
     generators = None
     if temperature > 0:
         generators = [torch.Generator().manual_seed(seed if seed is not None else torch.seed()) for _ in prompts]
-    started = time.perf_counter()
+    sample = partial(choose, temperature=temperature, top_p=top_p, generators=generators)
+    with policy_attention(model):  # the model's own attention again when generation ends
+        try:
+            tokens, prefill_s, decode_s, steps = _timed(token_loop(decoder, prompts, held, rule, sample), streamer)
+            decode_s -= decoder.compile_s
+            steps -= decoder.mode == "compiled"  # the step that compiled is not counted
+            mode = decoder.mode  # before release(), which steps eagerly from then on
+        finally:
+            if own_decoder:
+                decoder.release()  # the model as the caller gave it (a passed decoder is the caller's)
+    return Generation(tokens, mode, decoder.compile_s, prefill_s, decode_s, steps, len(prompts))
+
+
+class Progress(NamedTuple):
+    """The token loop after a step: the tokens it sampled [b], each row's tokens so far (a row
+    takes none after its end) and each row's verdict."""
+
+    tokens: torch.Tensor
+    rows: list[list[int]]
+    verdicts: list[Verdict]
+
+
+def token_loop(decoder: Decoder, prompts, held, rule: StopRule, sample: Callable) -> Iterator[Progress]:
+    """The token loop: prefill, then one step per token until `rule` ends every row. Rows that
+    ended ride along (the batch keeps its shape) but take no more tokens."""
     caches, logits = decoder.prefill(prompts, held)
-    decoder.start_from(caches, max_new_tokens)
-    token = choose(logits, temperature, top_p, generators)
+    decoder.start_from(caches, rule.max_tokens)
+    rows: list[list[int]] = [[] for _ in prompts]
+    verdicts = [Verdict(None, "")] * len(prompts)
+    token = sample(logits)
+    while True:
+        for index, value in enumerate(token.tolist()):
+            if verdicts[index].reason is None:
+                rows[index].append(value)
+                verdicts[index] = rule.judge(rows[index])
+        yield Progress(token, rows, verdicts)
+        if all(verdict.reason is not None for verdict in verdicts):
+            return
+        token = sample(decoder.step(token))
+
+
+def _timed(loop: Iterator[Progress], streamer) -> tuple[list[list[int]], float, float, int]:
+    """Run the token loop to its end, feeding `streamer`: the rows' tokens, the prefill's and the
+    decode's seconds, and the decode steps."""
+    started = time.perf_counter()
+    progress = next(loop)  # the prefill and its token
     prefill_s = time.perf_counter() - started
-    made = [token]
-    stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=token.device)
-    done = torch.isin(token, stop_ids)
-    if streamer is not None:
-        streamer.put(token)
     started, steps = time.perf_counter(), 0
-    while len(made) < max_new_tokens and not bool(done.all()):
-        token = choose(decoder.step(token), temperature, top_p, generators)
+    if streamer is not None:
+        streamer.put(progress.tokens)
+    for progress in loop:  # the last one holds the rows
         steps += 1
-        made.append(token)
         if streamer is not None:
-            streamer.put(token)
-        done |= torch.isin(token, stop_ids)
-    decode_s = time.perf_counter() - started - decoder.compile_s
+            streamer.put(progress.tokens)
+    decode_s = time.perf_counter() - started
     if streamer is not None:
         streamer.end()
-    steps -= decoder.mode == "compiled"  # the step that compiled is not counted
-    mode = decoder.mode
-    if own_decoder:
-        decoder.release()  # the model as the caller gave it (a passed decoder is the caller's)
-    tokens = [until_stop(row, stops) for row in torch.stack(made, 1).tolist()]
-    return Generation(tokens, mode, decoder.compile_s, prefill_s, decode_s, steps, len(prompts))
+    return progress.rows, prefill_s, decode_s, steps

@@ -54,14 +54,13 @@ class SparsegenLM(HFLM):
         soft_prompt=None,
         **kwargs,
     ) -> None:
-        from sparsegen.kv import POLICIES
         from sparsegen.loading import load
         from sparsegen.models import dtype_named
 
-        if policy not in POLICIES:
-            raise SparsegenError(f"unknown KV policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
         if chunk is not None and chunk < 1:
             raise SparsegenError(f"chunk must be >= 1, got {chunk}")
+        parts = {k: v for k, v in (("sinks", sinks), ("heavy", heavy), ("recent", recent)) if v is not None}
+        resolve_budget(policy, None, budget, parts)  # an unknown policy or conflicting parts fail now
         if loaded is None:
             loaded = load(model, dtype=dtype_named(dtype) if dtype else None, device=kwargs.get("device"))
         network, tokenizer = loaded
@@ -76,7 +75,7 @@ class SparsegenLM(HFLM):
             kwargs.pop(option, None)  # lm-eval passes these; the device placed the model above
         self.policy = policy
         self.budget = budget
-        self.parts = {k: v for k, v in (("sinks", sinks), ("heavy", heavy), ("recent", recent)) if v is not None}
+        self.parts = parts
         self.position = position
         self.chunk = chunk
         # A policy cache scores one request at a time (each has its own budget), so no padding.
@@ -158,6 +157,10 @@ class SparsegenLM(HFLM):
         return results
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-        if self.uses_policy:
+        if not self.uses_policy:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        from sparsegen.kv.attention import policy_attention
+
+        with policy_attention(self.model):  # the model's own attention again after the request
             generation_kwargs["cache"] = self._make_cache(context.shape[1])
-        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)

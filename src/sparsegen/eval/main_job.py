@@ -13,6 +13,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.eval.stream_ppl import PolicyRun, StreamResult, stream_compare
 from sparsegen.ioutil import write_json
 from sparsegen.kv import POLICIES
+from sparsegen.kv.policy import resolve_budget
 from sparsegen.loading import load
 from sparsegen.report import plot_lines, running_mean
 
@@ -40,7 +41,13 @@ def policy_runs(
     position: str | None,
     model_window: int,
 ) -> list[PolicyRun]:
-    """One PolicyRun per policy name, all at the same budget."""
+    """One PolicyRun per policy name, all at the same total: `budget`, else the sum of the parts
+    given, split by each policy as the kv rule says (`resolve_budget`). `sinks` go to the
+    policies that keep sinks: one comparison runs them beside policies that keep none."""
+    total = budget if budget is not None else sum(part or 0 for part in (sinks, heavy, recent))
+    if not total:
+        raise SparsegenError("give --budget or --sinks/--recent/--heavy")
+    conflicting = {} if budget is None else {"heavy": heavy, "recent": recent}  # refused beside a total
     runs = []
     for name in policies:
         if POLICIES.named(name).prefill_only:
@@ -55,13 +62,8 @@ def policy_runs(
                 )
             )
             continue
-        total = budget if budget is not None else (sinks or 0) + (recent or 0) + (heavy or 0)
-        if total == 0:
-            raise SparsegenError("give --budget or --sinks/--recent/--heavy")
-        keeps_sinks = "sinks" in POLICIES[name].budget_parts()
-        chosen = (sinks if sinks is not None else (0 if total <= 4 else 4)) if keeps_sinks else None
-        parts = POLICIES[name].split(total, chosen)
-        runs.append(PolicyRun(name, name, position=position, budget=parts))
+        given = {**conflicting, "sinks": sinks if "sinks" in POLICIES[name].budget_parts() else None}
+        runs.append(PolicyRun(name, name, position=position, budget=resolve_budget(name, None, total, given)))
     return runs
 
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
-from sparsegen.layerwise import Blocks, blocks_skipped, capture_inputs, run_block
+from sparsegen.layerwise import blocks_skipped, capture_inputs, run_block
+from sparsegen.layerwise_blocks import Blocks
 from sparsegen.models import decoder_layers
 from sparsegen.prompt.soft import SoftPrompt
 from sparsegen.prompt.train import prompted_logits

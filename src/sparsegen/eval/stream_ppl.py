@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import save_torch
 from sparsegen.kv import Policy, PolicyCache, make_cache
+from sparsegen.kv.attention import policy_attention
 
 RECOMPUTE = "recompute"
 
@@ -274,7 +275,7 @@ def stream_compare(
         total=total, initial=done, unit="tok", desc=f"streaming {len(runs)} runs", disable=not progress, mininterval=2.0
     )
     try:
-        with bar:
+        with bar, policy_attention(model):  # the model's own attention again when the stream ends
             next_save = done + checkpoint_every
             while done < total:
                 n = min(chunk, total - done)

@@ -1,15 +1,17 @@
 """KV-cache sparsity: policies that bound the cache, as a drop-in for `model.generate()`.
 
-cache = make_cache(model, "streaming", sinks=4, recent=252)
-model.generate(input_ids, cache=cache, max_new_tokens=2000)
+with policy_attention(model):  # sparsegen's attention for the block, the model's own after it
+    cache = make_cache(model, "streaming", sinks=4, recent=252)
+    model.generate(input_ids, cache=cache, max_new_tokens=2000)
 """
 
 import importlib
 import pkgutil
 
+from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.cache import PolicyCache, PolicyLayer
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.policy import POLICIES, Policy, Sizes, Step, make_policy, register_policy
+from sparsegen.kv.policy import POLICIES, Policy, Sizes, Step, make_policy, register_policy, resolve_budget
 from sparsegen.kv.stream import StreamStep, stream
 
 # Every module of this package is imported, so a policy registers itself by existing as a file.
@@ -26,6 +28,8 @@ __all__ = [
     "StreamStep",
     "make_cache",
     "make_policy",
+    "policy_attention",
     "register_policy",
+    "resolve_budget",
     "stream",
 ]

@@ -1,11 +1,12 @@
 """The attention functions a policy cache runs under: sdpa or eager, then eviction.
 
 transformers hands each attention module the cache (`cache`) and passes the module's
-other keywords on to the attention function. A forward pre-hook, put on every attention module by
-`use_policy_attention`, adds the module's own policy layer as the `policy_layer` keyword, so the
-registered attention function gets its layer as an argument: it computes the attention as usual,
-then hands the layer this call's queries, keys and weights, and the layer lets its policy score
-and evict down to the budget. `restore_attention` removes the hooks.
+other keywords on to the attention function. Inside `with policy_attention(model):` the model
+runs sparsegen's wrapper of its attention implementation, and a forward pre-hook on every attention
+module adds the module's own policy layer as the `policy_layer` keyword, so the attention function
+gets its layer as an argument: it computes the attention as usual, then hands the layer this
+call's queries, keys and weights, and the layer lets its policy score and evict down to the
+budget. Leaving the block undoes both; nothing is switched or registered at import.
 
 The fast decode path (`sparsegen.decode`) calls the model with a `static_kv` keyword instead of a
 cache: the same function then writes, attends and evicts in that state's fixed-shape buffers.
@@ -13,12 +14,11 @@ cache: the same function then writes, attends and evicts in that state's fixed-s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from weakref import WeakKeyDictionary
 
 import torch
-from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
@@ -29,7 +29,6 @@ from sparsegen.kv.cache import PolicyLayer
 
 PREFIX = "sparsegen_"
 BASE_IMPLEMENTATIONS = {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (eager_attention_forward, eager_mask)}
-_HOOKS: WeakKeyDictionary[torch.nn.Module, list[RemovableHandle]] = WeakKeyDictionary()
 
 
 def policy_layer_of(cache, index: int | None):
@@ -75,47 +74,60 @@ def _make_attention(base):
     return attention
 
 
-for _name, (_forward, _mask) in BASE_IMPLEMENTATIONS.items():
-    AttentionInterface.register(PREFIX + _name, _make_attention(_forward))
-    AttentionMaskInterface.register(PREFIX + _name, _mask)
+@functools.cache
+def _register() -> None:
+    """Name sparsegen's attention functions in transformers' registries (once, on first use)."""
+    for name, (forward, mask) in BASE_IMPLEMENTATIONS.items():
+        AttentionInterface.register(PREFIX + name, _make_attention(forward))
+        AttentionMaskInterface.register(PREFIX + name, mask)
 
 
-def use_policy_attention(model: torch.nn.Module) -> None:
-    """Switch `model` to the sparsegen wrapper of its attention implementation (sdpa or eager) and
-    hook its attention modules to pass on their policy layers; `restore_attention` undoes both."""
-    current = model.config._attn_implementation
-    if not current.startswith(PREFIX):
-        if current not in BASE_IMPLEMENTATIONS:
-            raise SparsegenError(
-                f"attention implementation {current!r} is not supported by KV policies; load the model with "
-                "attn_implementation='sdpa' or 'eager'"
-            )
-        model.set_attn_implementation(PREFIX + current)
-    if model not in _HOOKS:
-        _HOOKS[model] = [
-            module.register_forward_pre_hook(_hand_policy_layer, with_kwargs=True)
-            for module in model.modules()
-            if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "q_proj")
-        ]
+def is_policy_attention(model: torch.nn.Module) -> bool:
+    """Whether `model` runs sparsegen's attention now (inside `policy_attention`)."""
+    return model.config._attn_implementation.startswith(PREFIX)
+
+
+def require_policy_attention(model: torch.nn.Module) -> None:
+    """The fast path's KV reaches attention only through sparsegen's attention function (any
+    other one ignores `static_kv` and would attend over one token): refuse to step without it."""
+    if not is_policy_attention(model):
+        raise SparsegenError(
+            f"the model's attention is {model.config._attn_implementation!r}, which cannot read the fast path's KV: "
+            "decode inside `with sparsegen.kv.policy_attention(model):` (generate() enters it for you)"
+        )
+
+
+def check_supported(model: torch.nn.Module) -> str:
+    """The model's attention implementation, when KV policies can wrap it (sdpa or eager)."""
+    current = model.config._attn_implementation.removeprefix(PREFIX)
+    if current not in BASE_IMPLEMENTATIONS:
+        raise SparsegenError(
+            f"attention implementation {current!r} is not supported by KV policies; load the model with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+    return current
 
 
 @contextmanager
 def policy_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """`use_policy_attention` for the block's duration: on exit the model is as it came in (left
-    switched only if it already was)."""
-    switched = model.config._attn_implementation.startswith(PREFIX)
-    use_policy_attention(model)
+    """Run `model` under KV policies for the block: its attention implementation (sdpa or eager)
+    is switched to sparsegen's wrapper (same numbers) and each attention module is hooked to hand
+    its policy layer to it; on exit both are undone and the model is as it came in. Nested blocks
+    leave the switching to the outermost one."""
+    if is_policy_attention(model):
+        yield model
+        return
+    current = check_supported(model)
+    _register()
+    model.set_attn_implementation(PREFIX + current)
+    handles = [
+        module.register_forward_pre_hook(_hand_policy_layer, with_kwargs=True)
+        for module in model.modules()
+        if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "q_proj")
+    ]
     try:
         yield model
     finally:
-        if not switched:
-            restore_attention(model)
-
-
-def restore_attention(model: torch.nn.Module) -> None:
-    """Undo `use_policy_attention`: the model's own attention implementation again, unhooked."""
-    for handle in _HOOKS.pop(model, []):
-        handle.remove()
-    current = model.config._attn_implementation
-    if current.startswith(PREFIX):
-        model.set_attn_implementation(current[len(PREFIX) :])
+        for handle in handles:
+            handle.remove()
+        model.set_attn_implementation(current)

@@ -78,7 +78,7 @@ class PolicyLayer(CacheLayerMixin):
         if self.awaiting_attention:
             raise SparsegenError(
                 "a policy cache layer was updated but its attention never ran through sparsegen's attention "
-                "function: the model's attn_implementation changed after make_cache(); call make_cache() again"
+                "function: run the model inside `with sparsegen.kv.policy_attention(model):`"
             )
         self.awaiting_attention = True
         n = key_states.shape[-2]

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
-import torch
-
-from sparsegen.kv.factory import make_cache
+from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.policy import Policy
-from sparsegen.kv.stream import stream
-from sparsegen.sampling import stop_tokens
+from sparsegen.sampling import StopRule, choose, stop_tokens
 
 
 class StreamingChat:
-    """Feeds each new turn (only its new tokens) into the same cache and generates the answer.
+    """Decodes each answer through the `Decoder`, continuing the conversation's held cache, as the
+    server's conversations do: between turns `cache` holds the conversation, minus evictions.
 
     The chat template is rendered for the whole conversation and only the text past what was
-    already fed is tokenised, so the cache holds exactly the conversation, minus evictions.
+    already read is tokenised; an answer's last token, sampled but not yet read, is read first
+    at the next turn.
     """
 
     def __init__(
@@ -29,52 +30,45 @@ class StreamingChat:
         temperature: float = 0.0,
         **budget: int | float,
     ) -> None:
+        from sparsegen.decode.engine import Decoder  # here: the decoder imports `sparsegen.kv`, which imports this
+
         self.model, self.tokenizer = model, tokenizer
-        self.cache = make_cache(model, policy, position=position, **budget)
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.decoder = Decoder(model, policy, position=position, compile="never", **budget)
+        self.cache: PolicyCache | None = None  # the conversation read so far (none before the first turn)
+        self.unfed: list[int] = []
+        self.rule = StopRule(
+            max_new_tokens,
+            frozenset(stop_tokens(model, tokenizer)),
+            decode=partial(tokenizer.decode, skip_special_tokens=True),
+        )
+        self.sample = partial(choose, temperature=temperature, top_p=1.0, generators=None)
         self.messages: list[dict] = []
         self.fed_text = ""
-        self.stop_ids = stop_tokens(model, tokenizer)
 
-    def _render(self, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            self.messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+    def _render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def ask(self, text: str) -> Iterator[str]:
         """Yield the answer to `text` piece by piece as tokens are generated."""
+        from sparsegen.decode.generate import token_loop  # here: as `Decoder` above
+
         self.messages.append({"role": "user", "content": text})
-        rendered = self._render(add_generation_prompt=True)
+        rendered = self._render(self.messages)
         if rendered.startswith(self.fed_text):
             new_text = rendered[len(self.fed_text) :]
-        else:  # a template that rewrites earlier turns: feed this turn on its own
-            new_text = self.tokenizer.apply_chat_template(
-                self.messages[-1:], tokenize=False, add_generation_prompt=True
-            )
-        ids = torch.tensor(self.tokenizer(new_text, add_special_tokens=False)["input_ids"])
-        answer: list[int] = []
+        else:  # a template that rewrites earlier turns: read this turn on its own
+            new_text = self._render(self.messages[-1:])
+        ids = self.unfed + self.tokenizer(new_text, add_special_tokens=False)["input_ids"]
         shown = ""
-        stopped = False
-        for step in stream(
-            self.model,
-            ids,
-            cache=self.cache,
-            chunk=max(1, ids.numel()),
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-        ):
-            if not step.generated:
-                continue
-            token = int(step.tokens[0, 0])
-            if token in self.stop_ids:
-                stopped = True
-                break
-            answer.append(token)
-            decoded = self.tokenizer.decode(answer, skip_special_tokens=True)
-            yield decoded[len(shown) :]
-            shown = decoded
-        reply = self.tokenizer.decode(answer, skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": reply})
+        with policy_attention(self.model):
+            for progress in token_loop(self.decoder, [ids], [self.cache], self.rule, self.sample):
+                text = progress.verdicts[0].text
+                if len(text) > len(shown):
+                    yield text[len(shown) :]
+                    shown = text
+            self.cache = self.decoder.hand_back(0)
+            self.decoder.leave([0])  # the batch's buffers go; the conversation lives on in `cache`
+        answer = progress.rows[0]
+        self.messages.append({"role": "assistant", "content": progress.verdicts[0].text})
         self.fed_text = rendered + self.tokenizer.decode(answer)
-        if stopped:
-            self.fed_text += self.tokenizer.decode([token])
+        self.unfed = answer[-1:]

@@ -6,7 +6,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv import attention
+from sparsegen.kv.attention import check_supported
 from sparsegen.kv.cache import PolicyCache, PolicyLayer
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.rope import KeyRotation
@@ -38,9 +38,9 @@ def make_cache(
     the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
     never evicted and come on top of the budget. `layer_class` is the class of the policy layers
     (`kv.shared` records the prefill with its own). Full-attention layers get the policy; sliding-window layers (Gemma
-    3) keep their own window. The model is switched to sparsegen's wrapper of its attention
-    implementation (same numbers), which is how eviction follows each attention call;
-    `sparsegen.kv.attention.restore_attention(model)` switches it back.
+    3) keep their own window. The cache evicts only while the model runs inside
+    `with sparsegen.kv.policy_attention(model):` (sparsegen's attention hands each layer its
+    attention); outside it the cache refuses its second update with a one-line error.
     """
     from sparsegen.kv.policy import make_policy
     from sparsegen.kv.rope import find_inv_freq
@@ -49,6 +49,7 @@ def make_cache(
     position = position or policy.default_position
     if position not in POSITIONS:
         raise SparsegenError(f"position must be one of {POSITIONS}, got {position!r}")
+    check_supported(model)
     config = model.config.get_text_config(decoder=True)
     inv_freq = find_inv_freq(model)
     if inv_freq is None:
@@ -74,5 +75,4 @@ def make_cache(
             raise SparsegenError(f"layer type {layer_type!r} is not supported by KV policies")
     if not any(isinstance(layer, PolicyLayer) for layer in layers):
         raise SparsegenError("the model has no full-attention layer for a KV policy to apply to")
-    attention.use_policy_attention(model)
     return PolicyCache(layers, policy, position)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -26,6 +27,8 @@ register_policy = POLICIES.register
 
 KEEP = float("inf")
 PARTS = ("sinks", "heavy", "recent")
+DEFAULT_SINKS = 4
+"""Initial tokens kept by a policy with sinks when its caller names none (StreamingLLM's 4)."""
 
 
 @dataclass(frozen=True)
@@ -154,29 +157,16 @@ class Policy(ABC):
         return tuple(f.name for f in dataclasses.fields(cls) if f.name in PARTS)
 
     @classmethod
-    def split(cls, total: int | float, sinks: int | None = None) -> dict[str, int | float]:
-        """The parts of one total budget: sinks first (default 4), the rest halved between heavy
-        and recent where the policy has both. A float total is a share of the prompt (H2O's "20%
-        cache": heavy 0.1 + recent 0.1), the sinks on top of it."""
-        parts = cls.budget_parts()
-        if isinstance(total, float):  # a share of the prompt: the sinks stay a count
-            rest = [part for part in parts if part != "sinks"]
-            fixed = {"sinks": 4 if sinks is None else sinks} if "sinks" in parts else {}
-            return {**fixed, **{part: total / len(rest) for part in rest}}
-        if sinks is not None and "sinks" not in parts:
-            raise SparsegenError(f"policy {cls.name!r} keeps no sinks; drop --sinks")
-        out: dict[str, int] = {}
-        rest = total
-        if "sinks" in parts:
-            out["sinks"] = 4 if sinks is None else sinks
-            if out["sinks"] >= total:
-                raise SparsegenError(
-                    f"sinks ({out['sinks']}) must be smaller than the budget ({total}): raise --budget or lower --sinks"
-                )
-            rest -= out["sinks"]
-        if "heavy" in parts and "recent" in parts:
-            return {**out, "heavy": rest // 2, "recent": rest - rest // 2}
-        return {**out, **{part: rest for part in parts if part != "sinks"}}
+    def split(cls, rest: int | float) -> dict[str, int | float]:
+        """How the budget left beside the sinks divides among this policy's other parts: halved
+        between heavy and recent where it has both. A share halves too (H2O's "20% cache" is
+        heavy 0.1 + recent 0.1). `resolve_budget` decides the sinks; subclasses may divide otherwise."""
+        others = [part for part in cls.budget_parts() if part != "sinks"]
+        if isinstance(rest, float):
+            return {part: rest / len(others) for part in others}
+        if "heavy" in others and "recent" in others:
+            return {"heavy": rest // 2, "recent": rest - rest // 2}
+        return {part: rest for part in others}
 
     def sizes(self, prompt_length: int) -> Sizes | None:
         """Resolve ratios against the prompt; None means the cache is unbounded."""
@@ -190,10 +180,10 @@ class Policy(ABC):
         return sizes
 
     def resolved(self, prompt_length: int) -> Policy:
-        """This policy with its shares of the prompt turned into counts for `prompt_length` tokens:
-        the one place a budget is resolved (a cache reading the prompt in chunks keeps it)."""
-        counts = {p: _resolve(getattr(self, p), prompt_length) for p in self.budget_parts()}
-        return dataclasses.replace(self, **counts) if counts else self
+        """This policy with its shares of the prompt turned into counts for `prompt_length` tokens
+        (by `resolve_budget`; a cache reading the prompt in chunks keeps the result)."""
+        parts = {p: getattr(self, p) for p in self.budget_parts()}
+        return dataclasses.replace(self, **resolve_budget(type(self), prompt_length, None, parts)) if parts else self
 
     def layer_sizes(self, sizes: Sizes, prompt_length: int, layer: int, layers: int) -> Sizes:
         """The budget of layer `layer` of `layers` (PyramidKV's shrink with depth); the same
@@ -232,38 +222,64 @@ def count_or_share(value: str | None) -> int | float | None:
     return share
 
 
+def _check_budget(budget: int | float) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
+        raise SparsegenError(f"budget must be an int > 0 (tokens) or a share of the prompt in (0, 1), got {budget!r}")
+    if isinstance(budget, float) and budget >= 1:
+        raise SparsegenError(f"budget={budget}: a float is a share of the prompt and must be < 1; use an int count")
+
+
 def resolve_budget(
-    policy: str, context_length: int, budget: int | float | None, parts: dict[str, int | float]
-) -> dict[str, int]:
-    """Token counts of a policy's budget for one request of `context_length` tokens, where a
-    float is a share of that context and a total `budget` includes the sinks (lm-eval requests:
-    each scored alone, so the whole budget is the request's). Short requests keep at least two
-    tokens, the sinks at most half of them."""
-    if budget is None:
-        return {name: _resolve(value, context_length) for name, value in parts.items()}
-    total = max(_resolve(budget, context_length), 2)
+    policy: str | type[Policy],
+    prompt_length: int | None,
+    budget: int | float | None,
+    parts: Mapping[str, int | float | None],
+) -> dict[str, int | float]:
+    """The one budget rule: what a caller gave (a total `budget`, an int count or a float share of
+    the prompt, or the `parts` sinks/heavy/recent; None means not given) as the policy's parts.
+
+    Parts stay as given. A total splits as the policy needs: the sinks first (those asked, else
+    4, or half a total of 4 or less, so a small budget still holds recent tokens), the rest by
+    `Policy.split`. With `prompt_length`, shares become counts: a total share keeps at least 2
+    tokens and lowers asked sinks to half of them (every request of an evaluation gets the share,
+    and a short one cannot hold the sinks its longer ones do). Without it, a total share splits
+    into shares of the other parts (each resolved later against its own prompt), the sinks a count
+    on top. Conflicts are one-line errors: a total with heavy/recent, sinks for a policy that keeps
+    none, sinks not smaller than a count total.
+    """
+    cls = policy if isinstance(policy, type) else POLICIES.named(policy)
+    parts = {name: value for name, value in parts.items() if value is not None}
     sinks = parts.get("sinks")
-    if sinks is not None:
-        sinks = min(int(sinks), total // 2)
-    return POLICIES[policy].split(total, sinks)
+    if sinks is not None and "sinks" not in cls.budget_parts():
+        raise SparsegenError(f"policy {cls.name!r} keeps no sinks; drop --sinks")
+    if budget is None:
+        return parts if prompt_length is None else {name: _resolve(v, prompt_length) for name, v in parts.items()}
+    _check_budget(budget)
+    if parts.keys() - {"sinks"}:
+        raise SparsegenError("give a total budget (--budget, budget=) or its parts (--heavy/--recent), not both")
+    if isinstance(budget, float):
+        if prompt_length is None:
+            first = {"sinks": DEFAULT_SINKS if sinks is None else sinks} if "sinks" in cls.budget_parts() else {}
+            return {**first, **cls.split(budget)}
+        budget = max(_resolve(budget, prompt_length), 2)
+        sinks = None if sinks is None else min(sinks, budget // 2)
+    if "sinks" not in cls.budget_parts():
+        return cls.split(budget)
+    if sinks is None:
+        sinks = DEFAULT_SINKS if budget > DEFAULT_SINKS else budget // 2
+    if sinks >= budget:
+        raise SparsegenError(
+            f"sinks ({sinks}) must be smaller than the budget ({budget}): raise --budget or lower --sinks"
+        )
+    return {"sinks": sinks, **cls.split(budget - sinks)}
 
 
-def make_policy(policy: str | Policy, budget: int | None = None, **settings) -> Policy:
-    """A policy from a registered name and its settings; `budget=` is one total that the policy
-    splits into its parts (`sinks=` may fix the sinks). A `Policy` instance is returned unchanged."""
+def make_policy(policy: str | Policy, budget: int | float | None = None, **settings) -> Policy:
+    """A policy from a registered name and its settings, the budget (a total `budget=` or the
+    parts `sinks=`, `heavy=`, `recent=`) by `resolve_budget`. A `Policy` instance is returned unchanged."""
     if isinstance(policy, Policy):
         if budget is not None or settings:
             raise SparsegenError("pass budget keywords with a policy name, not with a Policy instance")
         return policy
-    cls = POLICIES.named(policy)
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
-            raise SparsegenError(
-                f"budget must be an int > 0 (tokens) or a share of the prompt in (0, 1), got {budget!r}"
-            )
-        if isinstance(budget, float) and budget >= 1:
-            raise SparsegenError(f"budget={budget}: a float is a share of the prompt and must be < 1; use an int count")
-        if any(k in settings for k in ("heavy", "recent")):
-            raise SparsegenError("give either budget= or its parts (heavy=, recent=), not both")
-        settings = {**settings, **cls.split(budget, settings.pop("sinks", None))}
-    return POLICIES.make(policy, **settings)
+    parts = {part: settings.pop(part) for part in PARTS if part in settings}
+    return POLICIES.make(policy, **settings, **resolve_budget(policy, None, budget, parts))

@@ -39,11 +39,15 @@ class SnapKVPolicy(Policy):
             raise SparsegenError("snapkv needs recent >= 1 and an odd kernel >= 1")
 
     @classmethod
-    def split(cls, total: int, sinks: int | None = None) -> dict[str, int]:
-        if sinks is not None:
-            raise SparsegenError("snapkv keeps no sinks; drop --sinks")
-        window = min(32, total // 2)
-        return {"heavy": total - window, "recent": window}
+    def split(cls, rest: int | float) -> dict[str, int]:
+        """The observation window (at most 32 tokens, at most half) and the prompt tokens kept by score."""
+        if isinstance(rest, float):
+            raise SparsegenError(
+                f"{cls.name}'s observation window is a token count: give an int budget, or heavy= as a share "
+                "with recent= as a count"
+            )
+        window = min(32, rest // 2)
+        return {"heavy": rest - window, "recent": window}
 
     def score(self, step):
         received = step.received(last=self.recent)  # slots are in position order at the first call

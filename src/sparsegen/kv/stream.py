@@ -2,7 +2,7 @@
 
 `generate()` works with a policy cache for ordinary generation; `stream()` is for what
 `generate()` does not do: feeding millions of tokens in chunks with the logits of every one
-(streaming perplexity), and an unending chat that keeps one cache.
+(streaming perplexity). A chat continues its cache through `generate()`'s token loop instead.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
@@ -43,12 +44,13 @@ def read(
     rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
     step = chunk or max(rows.shape[1], 1)
     kept = []
-    for start in range(0, rows.shape[1], step):
-        piece = rows[:, start : start + step]
-        logits = model(
-            input_ids=piece, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
-        ).logits.float()
-        kept.append(logits if all_logits else logits[:, -1])
+    with policy_attention(model):
+        for start in range(0, rows.shape[1], step):
+            piece = rows[:, start : start + step]
+            logits = model(
+                input_ids=piece, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
+            ).logits.float()
+            kept.append(logits if all_logits else logits[:, -1])
     if not kept:
         return None
     out = torch.cat(kept, 1) if all_logits else kept[-1]
@@ -70,8 +72,8 @@ def stream(
 ) -> Iterator[StreamStep]:
     """Feed `input_ids` [b, n] (or [n]) `chunk` tokens at a time, then generate `max_new_tokens`.
 
-    Yields a `StreamStep` per forward. Pass `cache` to continue an earlier stream (a chat's next
-    turn); otherwise one is made from `policy`, `position` and the budget keywords. Greedy when
+    Yields a `StreamStep` per forward. Pass `cache` to continue an earlier stream (the next part
+    of a long text); otherwise one is made from `policy`, `position` and the budget keywords. Greedy when
     `temperature` is 0, else sampling.
     """
     if input_ids.dim() == 1:
@@ -82,14 +84,15 @@ def stream(
         cache = make_cache(model, policy, position=position, **budget)
     device = next(model.parameters()).device
     logits = None
-    for start in range(0, input_ids.shape[1], chunk):
-        tokens = input_ids[:, start : start + chunk].to(device)
-        logits = model(input_ids=tokens, cache=cache, use_cache=True).logits
-        yield StreamStep(tokens, logits, generated=False)
-    for _ in range(max_new_tokens):
-        if logits is None:
-            raise ValueError("generation needs at least one input token")
-        last = logits[:, -1].float()
-        token = choose(last, temperature, 1.0, [generator] * last.shape[0])[:, None]
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits
-        yield StreamStep(token, logits, generated=True)
+    with policy_attention(model):  # held while the caller iterates; undone when the stream ends or is closed
+        for start in range(0, input_ids.shape[1], chunk):
+            tokens = input_ids[:, start : start + chunk].to(device)
+            logits = model(input_ids=tokens, cache=cache, use_cache=True).logits
+            yield StreamStep(tokens, logits, generated=False)
+        for _ in range(max_new_tokens):
+            if logits is None:
+                raise ValueError("generation needs at least one input token")
+            last = logits[:, -1].float()
+            token = choose(last, temperature, 1.0, [generator] * last.shape[0])[:, None]
+            logits = model(input_ids=token, cache=cache, use_cache=True).logits
+            yield StreamStep(token, logits, generated=True)

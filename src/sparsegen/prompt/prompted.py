@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from sparsegen.kv import make_cache
+from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.cache import PolicyCache
 from sparsegen.prompt.soft import SoftPrompt
 
@@ -25,7 +26,7 @@ class PromptedModel:
         prompt.check_fits(model)
         self.model, self.prompt, self.policy, self.cache_options = model, prompt, policy, cache_options
         cache = self._empty_cache()
-        with torch.no_grad():
+        with torch.no_grad(), policy_attention(model):
             embeds = prompt.embeddings.to(model.dtype)[None]
             model(inputs_embeds=embeds, cache=cache, use_cache=True)
         self._prefix_state = cache.state_dict()

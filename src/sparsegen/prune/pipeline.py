@@ -12,15 +12,8 @@ from tqdm.auto import tqdm
 
 from sparsegen.distributed import share_of
 from sparsegen.errors import SparsegenError
-from sparsegen.layerwise import (
-    IN_MEMORY,
-    Blocks,
-    InputStats,
-    capture_inputs,
-    collect_stats,
-    rewrite_layerwise,
-    run_block,
-)
+from sparsegen.layerwise import InputStats, capture_inputs, collect_stats, rewrite_layerwise, run_block
+from sparsegen.layerwise_blocks import IN_MEMORY, Blocks
 from sparsegen.models import decoder_layers, require_float_linears
 from sparsegen.prune.owl import outlier_ratio, owl_ratios
 from sparsegen.prune.pruner import Pattern, make_pruner

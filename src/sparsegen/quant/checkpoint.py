@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from sparsegen.errors import SparsegenError
-from sparsegen.layerwise import Codec, Tensors
+from sparsegen.layerwise_blocks import Codec, Tensors
 from sparsegen.models import require_float_linears
 from sparsegen.quant.quantizer import QuantReport
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from sparsegen.distributed import share_of
 from sparsegen.errors import SparsegenError
-from sparsegen.layerwise import IN_MEMORY, Blocks, InputStats, capture_inputs, rewrite_layerwise
+from sparsegen.layerwise import InputStats, capture_inputs, rewrite_layerwise
+from sparsegen.layerwise_blocks import IN_MEMORY, Blocks
 from sparsegen.models import decoder_layers, require_float_linears
 from sparsegen.quant.checkpoint import block_codec, save_quantized
 from sparsegen.quant.packed import pack_quantized, say_unpacked

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 from sparsegen.distributed import is_writer
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import save_safetensors, write_json
-from sparsegen.layerwise import Blocks, Codec
+from sparsegen.layerwise_blocks import Blocks, Codec
 from sparsegen.loading import _assemble, resolve_model_path
 from sparsegen.models import decoder_layers
 

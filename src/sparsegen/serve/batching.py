@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from prometheus_client import generate_latest
@@ -29,10 +30,11 @@ from prometheus_client import generate_latest
 from sparsegen.decode import Decoder
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
+from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.stream import read
 from sparsegen.models import kv_bytes_per_token
-from sparsegen.sampling import choose, stop_tokens
+from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.events import Done, Event, Failed, PromptLogprobs, Token, prompt_entries, token_entry
 from sparsegen.serve.metrics import Metrics
 
@@ -78,6 +80,7 @@ class Job:
     # worker state
     kv_policy: Policy | None = None
     kv_need: int = 0
+    rule: StopRule | None = None
     cache: PolicyCache | None = None
     to_read: list[int] = field(default_factory=list)
     read_logits: list[torch.Tensor] = field(default_factory=list)
@@ -116,7 +119,7 @@ class Engine:
         self.metrics = Metrics()
         self.kv_policy(policy, self.budget)  # bad settings fail now, not at the first request
         self.sampling = sampling_defaults(model)
-        self.stop_ids = stop_tokens(model, tokenizer)
+        self.stop_ids = frozenset(stop_tokens(model, tokenizer))
         self.bytes_per_token = kv_bytes_per_token(model)
         self.conversations: OrderedDict[int, Conversation] = OrderedDict()
         self.incoming: queue.Queue[Job] = queue.Queue()
@@ -141,6 +144,8 @@ class Engine:
         `SparsegenError` when its KV could never fit."""
         job.kv_policy = self.kv_policy(job.policy, job.budget)
         job.kv_need = self._kv_need(job)
+        answer_text = partial(self.tokenizer.decode, skip_special_tokens=True)
+        job.rule = StopRule(job.max_tokens, self.stop_ids, tuple(job.stop), answer_text)
         if job.kv_need > self.max_kv_bytes:
             raise SparsegenError(
                 f"this request needs {job.kv_need / 2**20:.1f} MB of KV, more than the server's --max-kv-mb "
@@ -177,18 +182,19 @@ class Engine:
 
     # -- worker -------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while self._running:
-            busy = self.prefilling or any(lane.jobs for lane in self.lanes.values())
-            try:
-                self.waiting.append(self.incoming.get(timeout=0 if busy or self.waiting else 0.05))
-                continue  # take every request that came before deciding admissions
-            except queue.Empty:
-                pass
-            self._admit()
-            if self.prefilling:
-                self._guarded(self.prefilling[0], self._read_chunk)
-            for key, lane in list(self.lanes.items()):
-                self._decode(key, lane)
+        with policy_attention(self.model):  # while the engine runs; the model's own attention after close()
+            while self._running:
+                busy = self.prefilling or any(lane.jobs for lane in self.lanes.values())
+                try:
+                    self.waiting.append(self.incoming.get(timeout=0 if busy or self.waiting else 0.05))
+                    continue  # take every request that came before deciding admissions
+                except queue.Empty:
+                    pass
+                self._admit()
+                if self.prefilling:
+                    self._guarded(self.prefilling[0], self._read_chunk)
+                for key, lane in list(self.lanes.items()):
+                    self._decode(key, lane)
 
     def _guarded(self, job: Job, action) -> None:
         """Run one job's action; a failure ends that job with an error, never the worker."""
@@ -343,31 +349,15 @@ class Engine:
         if not job.generated:
             self.metrics.ttft.observe(time.perf_counter() - job.started)
         job.generated.append(token)
-        if token in self.stop_ids:
-            self._emit_text(job, self._answer(job), entry, final=True)
-            return "stop"
-        text = self._answer(job)
-        hit = min((text.find(s) for s in job.stop if s and s in text), default=-1)
-        if hit >= 0:
-            self._emit_text(job, text[:hit], entry, final=True)
-            return "stop"
-        self._emit_text(job, text, entry, final=len(job.generated) >= job.max_tokens)
-        return "length" if len(job.generated) >= job.max_tokens else None
+        verdict = job.rule.judge(job.generated)
+        self._emit_text(job, verdict.text, entry)
+        return verdict.reason
 
-    def _answer(self, job: Job) -> str:
-        return self.tokenizer.decode([t for t in job.generated if t not in self.stop_ids], skip_special_tokens=True)
-
-    def _emit_text(self, job: Job, text: str, entry: dict | None, final: bool) -> None:
-        """Send the text not sent yet, holding back what may still become a stop string or a character."""
-        ready = text
-        if not final:
-            hold = max((len(s) - 1 for s in job.stop), default=0)
-            ready = text[: len(text) - hold] if hold else text
-            if ready.endswith("\ufffd"):
-                ready = ready[:-1]
-        if len(ready) > len(job.shown) or entry is not None:
-            job.emit(Token(ready[len(job.shown) :], entry))
-            job.shown = max(ready, job.shown, key=len)
+    def _emit_text(self, job: Job, text: str, entry: dict | None) -> None:
+        """Send the part of `text` (what the stop rule lets show) not sent yet."""
+        if len(text) > len(job.shown) or entry is not None:
+            job.emit(Token(text[len(job.shown) :], entry))
+            job.shown = max(text, job.shown, key=len)
 
     def _complete(self, job: Job, reason: str, cache: PolicyCache | None) -> None:
         """Finish `job` (under the lock); keep its conversation's `cache` for reuse."""
