@@ -98,14 +98,13 @@ def generate(
 
         held = [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), policy, **cache_options).cache()]
     from sparsegen.decode import generate as fast_generate
-    from sparsegen.sampling import stop_tokens
 
     result = fast_generate(
         loaded,
         encoded["input_ids"],
         max_new_tokens,
         held=held,
-        eos_token_id=sorted(stop_tokens(loaded, tokenizer)),
+        tokenizer=tokenizer,  # stops at its EOS and the template's turn tokens
         policy=policy,
         temperature=temperature,
         top_p=top_p,

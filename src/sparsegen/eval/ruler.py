@@ -80,14 +80,12 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
     from sparsegen.decode import generate
     from sparsegen.kv import make_policy
     from sparsegen.kv.shared import SharedPrefill
-    from sparsegen.sampling import stop_tokens
 
     context = tokenizer(sample.context, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
     question = tokenizer(sample.question, add_special_tokens=False)["input_ids"]
     if settings.protocol == "query-aware":
         context, question = context + question[:-1], question[-1:]
     setting = task_table()[sample.task]
-    stops = stop_tokens(model, tokenizer)
     started = time.perf_counter()
     shared = None if settings.separate_prefill else SharedPrefill(model, context)
     prefill_s = time.perf_counter() - started
@@ -108,7 +106,7 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
             setting["tokens_to_generate"],
             policies[0],
             compile="never",
-            eos_token_id=stops,
+            tokenizer=tokenizer,
             held=caches,
         )
         seconds = time.perf_counter() - began
