@@ -22,6 +22,7 @@ class Ref:
     priority: Callable  # (pos, score, key, cache) -> float; higher is kept
     update: Callable = lambda scores, received, cache: None  # received: one {pos: prob} per new query
     prefill_only: bool = False
+    alpha: float | None = None  # head-adaptive (AdaKV): the layer's heads share their budget, this safeguard each
 
 
 @dataclass
@@ -114,6 +115,15 @@ def _expected_attention_scores(scores, received, cache):
         scores[pos] = (weights[pos] + settings["epsilon"]) * norm if settings["value_norm"] else weights[pos]
 
 
+def _duo_scores(scores, received, cache):
+    """Every token of a head scores the head's share of its window's attention beyond sinks and window."""
+    window = received[-min(cache.sizes["recent"], len(received)) :]
+    total = sum(p for row in window for p in row.values())
+    far = sum(p for row in window for pos, p in row.items() if not (_sink(pos, cache) or _recent(pos, cache)))
+    for pos in scores:
+        scores[pos] = far / total
+
+
 def _recent(pos, cache):
     return pos >= cache.length - cache.sizes.get("recent", 0)
 
@@ -181,6 +191,30 @@ TABLE: dict[str, Row] = {
         lambda s, h, r: {"sinks": s, "heavy": h + r},
         Ref(lambda pos, score, key, cache: math.inf if _sink(pos, cache) else score, _expected_attention_scores, True),
     ),
+    "adakv": Row(  # one pool per layer: the kept sets of all heads are chosen together
+        {"sinks": 1, "heavy": 4},
+        {"sinks": 4, "heavy": 500},
+        lambda s, h, r: {"sinks": s, "heavy": h + r},
+        Ref(
+            lambda pos, score, key, cache: math.inf if _sink(pos, cache) else score,
+            _expected_attention_scores,
+            True,
+            alpha=0.2,
+        ),
+    ),
+    "duo_attention": Row(  # whole heads by retrieval share, the newest first at the boundary
+        {"sinks": 1, "heavy": 3, "recent": 2},
+        {"sinks": 4, "heavy": 250, "recent": 250},
+        lambda s, h, r: {"sinks": s, "heavy": h, "recent": max(r, 1)},
+        Ref(
+            lambda pos, score, key, cache: (
+                math.inf if _sink(pos, cache) or _recent(pos, cache) else score + 1e-6 * pos / cache.length
+            ),
+            _duo_scores,
+            True,
+            alpha=0.0,
+        ),
+    ),
     "knorm": Row(
         {"heavy": 5},
         {"heavy": 500},
@@ -244,7 +278,23 @@ class ReferenceCache:
                     [queries[b, h * group + g, i].double() for i in range(n)] for g in range(group)
                 ]
                 self.ref.update(scores, received, self)
-                while len(kept) > self.budget:
+                while self.ref.alpha is None and len(kept) > self.budget:
                     victim = min(kept, key=lambda k: self.ref.priority(k, scores[k], keys[b, h, k], self))
                     kept.remove(victim)
                     del scores[victim]
+            if self.ref.alpha is not None and len(self.kept[b][0]) > self.budget:
+                self._keep_across_heads(b, keys)
+
+    def _keep_across_heads(self, b: int, keys: torch.Tensor) -> None:
+        """AdaKV: every head's top alpha share of the budget, then the layer's best of the rest."""
+        guaranteed = max(1, int(self.ref.alpha * self.budget)) if self.ref.alpha else 0
+        ranked = []
+        for h, kept in enumerate(self.kept[b]):
+            prio = {k: self.ref.priority(k, self.scores[b][h][k], keys[b, h, k], self) for k in kept}
+            for rank, k in enumerate(sorted(kept, key=lambda k: -prio[k])):
+                ranked.append((math.inf if rank < guaranteed else prio[k], h, k))
+        chosen = sorted(ranked, key=lambda item: -item[0])[: self.budget * len(self.kept[b])]
+        for h in range(len(self.kept[b])):
+            mine = {k for _, head, k in chosen if head == h}
+            self.kept[b][h] = [k for k in self.kept[b][h] if k in mine]
+            self.scores[b][h] = {k: v for k, v in self.scores[b][h].items() if k in mine}

@@ -35,10 +35,10 @@ def _drive(policy_name, parts, chunks, settings=None, seed=0):
         start += n
         if TABLE[policy_name].bounded:
             assert layer.size <= ref.budget
-        held = layer.held_positions()
+        held = layer.kept_positions()
         for b in range(B):
             for h in range(HKV):
-                assert held[b, h].tolist() == sorted(ref.kept[b][h]), (b, h, start)
+                assert held[b][h] == sorted(ref.kept[b][h]), (b, h, start)
         _check_scores(layer, ref)
     return layer, ref
 
@@ -46,12 +46,14 @@ def _drive(policy_name, parts, chunks, settings=None, seed=0):
 def _check_scores(layer, ref):
     valid = layer.size + (layer.hole is not None)
     for b in range(B):
-        for h in range(HKV):
+        for column in range(layer.positions.shape[1]):  # one column of flat slots where heads share a budget
             for slot in range(valid):
-                if layer.hole is not None and slot == layer.hole[b, h, 0]:
+                if layer.hole is not None and slot == layer.hole[b, column, 0]:
                     continue
-                pos = int(layer.positions[b, h, slot])
-                assert layer.scores[b, h, slot].item() == pytest.approx(ref.scores[b][h][pos], rel=1e-4, abs=1e-5)
+                h = column if layer.head_of is None else int(layer.head_of[b, column, slot])
+                pos = int(layer.positions[b, column, slot])
+                score = layer.scores[b, column, slot].item()
+                assert score == pytest.approx(ref.scores[b][h][pos], rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("policy", EVICTING)
@@ -100,22 +102,30 @@ def test_rolling_keys_equal_rope_recomputed_at_cache_positions(policy):
             held_keys, _ = layer.update(rotated[:, :, start : t + 1], rotated[:, :, start : t + 1])
             start += n
             # Positions within the cache: kept tokens in text order at 0..size-1, the query at size - 1 + 1.
-            slot_positions = layer.positions[:, :, : layer.size]
-            order = slot_positions.argsort(-1)
             query_raw = torch.randn(1, 2, 1, 16, generator=gen)
-            size = layer.size
-            q_cos, q_sin = rotary(query_raw, torch.tensor([[size - 1]]))
-            query_scratch, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos, q_sin)
-            k_cos, k_sin = rotary(raw_keys, torch.arange(size)[None])
             for h in range(2):
-                kept_raw = raw_keys[:, h : h + 1, slot_positions[0, h][order[0, h]]]
+                slot_positions, head_keys = _head_view(layer, held_keys, h)
+                order = slot_positions.argsort(-1)
+                size = slot_positions.shape[-1]
+                q_cos, q_sin = rotary(query_raw, torch.tensor([[size - 1]]))
+                query_scratch, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos, q_sin)
+                k_cos, k_sin = rotary(raw_keys, torch.arange(size)[None])
+                kept_raw = raw_keys[:, h : h + 1, slot_positions[order]]
                 _, scratch = apply_rotary_pos_emb(kept_raw, kept_raw, k_cos, k_sin)
                 expected = (query_scratch[:, h : h + 1] @ scratch.transpose(-1, -2))[0, 0, 0]
                 q_cos2, q_sin2 = rotary(query_raw, torch.tensor([[t]]))
                 query_here, _ = apply_rotary_pos_emb(query_raw, query_raw, q_cos2, q_sin2)
-                ours = (query_here[:, h : h + 1] @ held_keys[:, h : h + 1, order[0, h]].transpose(-1, -2))[0, 0, 0]
+                ours = (query_here[:, h : h + 1] @ head_keys[:, :, order].transpose(-1, -2))[0, 0, 0]
                 torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
             layer.after_attention(torch.randn(1, 2, n, 16, generator=gen), held_keys, 0.25)
+
+
+def _head_view(layer, held_keys, h):
+    """KV head `h`'s held positions [n] and keys [1, 1, n, d], whether its layer keeps heads apart or flat."""
+    if layer.head_of is None:
+        return layer.positions[0, h, : layer.size], held_keys[:, h : h + 1]
+    mine = layer.head_of[0, 0, : layer.size] == h
+    return layer.positions[0, 0, : layer.size][mine], held_keys[:, :, mine]
 
 
 @pytest.mark.parametrize("policy", EVICTING)
@@ -138,7 +148,7 @@ def test_generate_keeps_physical_length_within_budget(arch, policy):
     lengths = [n if isinstance(n, int) else max(n) for n in recorder.lengths]
     if not TABLE[policy].bounded:  # compressed once after the prompt, then every new token is kept
         layers = cache.policy_layers()
-        assert [layer.size for layer in layers] == [layer.sizes.budget + 39 for layer in layers]
+        assert [layer.tokens_per_head for layer in layers] == [layer.sizes.budget + 39 for layer in layers]
         if arch != "gemma3":  # every layer holds a policy: the layers' budgets average the budget
             assert sum(layer.sizes.budget for layer in layers) == budget * len(layers)
         if policy != "pyramidkv":

@@ -94,9 +94,8 @@ def test_cached_prompt_generation_equals_recomputing_it_and_is_never_evicted(pol
     with policy_attention(model):
         model.generate(placeholder, cache=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
     for layer in cache.policy_layers():
-        held = layer.held_positions()
-        assert (held[..., :5] == torch.arange(5)).all()
-        assert layer.size <= 8 + 5 + 16 * POLICIES[policy].prefill_only
+        assert all(kept[:5] == [0, 1, 2, 3, 4] for heads in layer.kept_positions() for kept in heads)
+        assert layer.tokens_per_head <= 8 + 5 + 16 * POLICIES[policy].prefill_only
 
 
 def test_bad_prompts_are_clear_errors(tmp_path):

@@ -32,6 +32,12 @@ Expected differences, from the math of each side:
 - tova: kvpress averages the last query's attention over all query heads and gives every KV head
   that one score (every head keeps the same positions); sparsegen sums it over each KV head's GQA
   group, so each KV head keeps its own set.
+- expected_attention, adakv (AdaKV over Expected Attention, alpha 0.2): the same statistics of the
+  context's queries before RoPE (sinks left out), the same mean rotation over 512 future positions,
+  the same safeguard (each head's top `max(1, int(0.2 * kept))`); kvpress hides AdaKV's dropped
+  slots behind a mask where sparsegen frees them, so only the kept sets are compared.
+- Not compared: DuoAttention (kvpress downloads its head patterns from the Hub, offline here; and
+  sparsegen calibrates its own), KVzip (not built in sparsegen).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).with_name("kvpress_worker.py")
-PRESSES = ("streaming", "snapkv", "tova", "knorm", "keydiff", "pyramidkv")
+PRESSES = ("streaming", "snapkv", "tova", "knorm", "keydiff", "pyramidkv", "expected_attention", "adakv")
 WINDOW = 64  # kvpress's SnapKV / PyramidKV observation window, mirrored on sparsegen's side
 KERNEL = 5
 
@@ -95,6 +101,8 @@ def make_press_policy(name: str, kept: int):
         "knorm": {"heavy": kept},
         "keydiff": {"heavy": kept},
         "pyramidkv": {"heavy": kept - WINDOW, "recent": WINDOW, "beta": 20.0},
+        "expected_attention": {"sinks": 4, "heavy": kept - 4},
+        "adakv": {"sinks": 4, "heavy": kept - 4, "alpha": 0.2},
     }
     return make_policy(name, **settings[name])
 
@@ -111,7 +119,7 @@ def sparsegen_side(model, sample: dict, cells: list[tuple[str, float]], stops: l
     for name, ratio in cells:
         policy = make_press_policy(name, kept_tokens(len(context), ratio))
         cache = shared.cache_for(policy)
-        kept = [layer.held_positions()[0].tolist() for layer in cache.policy_layers()]
+        kept = [layer.kept_positions()[0] for layer in cache.policy_layers()]
         limit = sample["max_new_tokens"]
         answer = generate(
             model, [sample["question_ids"]], limit, policy, compile="never", eos_token_id=stops, held=[cache]

@@ -33,6 +33,8 @@ def make_press(name: str, ratio: float) -> kvpress.BasePress:
         "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
         "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
         "pyramidkv": lambda: kvpress.PyramidKVPress(compression_ratio=ratio, window_size=64, kernel_size=5, beta=20),
+        "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+        "adakv": lambda: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio)),
     }
     if name not in builders:
         raise SystemExit(f"unknown press {name!r}; known: {', '.join(builders)}")

@@ -149,6 +149,11 @@ def eval_ruler(
         "--separate-prefill",
         help="Read each context once per policy x ratio (checks and times the shared read).",
     ),
+    duo_heads: Path | None = typer.Option(
+        None,
+        "--duo-heads",
+        help="duo_attention's retrieval heads (`sparsegen eval calibrate-heads`); else scored on each prompt.",
+    ),
     out_dir: Path = typer.Option(Path("results/ruler"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
@@ -159,8 +164,9 @@ def eval_ruler(
     from sparsegen.loading import load
     from sparsegen.report import markdown_table, table
 
-    if haystack is not None and not haystack.is_file():
-        raise SparsegenError(f"--haystack {haystack}: no such file; give a plain-text file")
+    for option, path in (("--haystack", haystack), ("--duo-heads", duo_heads)):
+        if path is not None and not path.is_file():
+            raise SparsegenError(f"{option} {path}: no such file")
     names = list(task_table()) if tasks == "all" else check_tasks([t.strip() for t in tasks.split(",") if t.strip()])
     settings = RulerSettings(
         model=model,
@@ -173,6 +179,7 @@ def eval_ruler(
         seed=seed,
         haystack=None if haystack is None else str(haystack.resolve()),
         separate_prefill=separate_prefill,
+        duo_heads=None if duo_heads is None else str(duo_heads.resolve()),
     )
     loaded, tokenizer = load(model, device=device)
     records = ruler_job(loaded, tokenizer, settings, out_dir)
@@ -184,6 +191,29 @@ def eval_ruler(
         plot(rows, out_dir / f"ruler_{length}.png", f"RULER at {length} tokens, {model} ({protocol})")
     write_text(out_dir / "results.md", "\n".join(report))
     out.print(f"wrote {out_dir}/results.json, results.md and ruler_<length>.png")
+
+
+@eval_app.command("calibrate-heads")
+def calibrate_heads_command(
+    model: str = ModelOpt,
+    samples: int = typer.Option(4, "--samples", help="Synthetic passkey prompts."),
+    length: int = typer.Option(1024, "--length", help="Tokens per prompt."),
+    out_file: Path = typer.Option(Path("results/duo_heads.json"), "--out"),
+    device: str | None = DeviceOpt,
+) -> None:
+    """Which KV heads retrieve (duo_attention's heads=): attention paid to passkey needles while answering."""
+    from sparsegen.kv.duo_attention import calibrate_heads, save_heads
+    from sparsegen.loading import load
+
+    if samples < 1 or length < 64:
+        raise SparsegenError("--samples must be >= 1 and --length >= 64")
+    loaded, tokenizer = load(model, device=device)
+    scores = calibrate_heads(loaded, tokenizer, samples, length)
+    save_heads(scores, out_file, model)
+    heads = scores.shape[1]
+    best = scores.flatten().topk(min(5, scores.numel())).indices.tolist()
+    top = ", ".join(f"L{i // heads}H{i % heads}" for i in best)
+    out.print(f"wrote {out_file}: {scores.shape[0]} layers x {scores.shape[1]} KV heads; most retrieving: {top}")
 
 
 @eval_app.command("zeroshot")

@@ -22,9 +22,9 @@ from sparsegen.decode.state import StaticKV, capacity_for, slots_of, stack
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import few_row_linears, restore_linears, use_gemv
 from sparsegen.kv.attention import require_policy_attention
-from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy, make_policy
+from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.stream import read
 from sparsegen.models import model_device
 

@@ -18,9 +18,9 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.slots import EMPTY, HeldSlots
 from sparsegen.kv.window import WindowPolicy
 
-EMPTY = -1
 DEAD = -2
 
 
@@ -96,27 +96,23 @@ class LayerState:
 
     def hand_back(self, row: int, seen: int, layer: CacheLayerMixin, dtype: torch.dtype) -> None:
         """Write `row`'s held tokens into a fresh cache `layer` of the same policy (a conversation
-        kept between requests, continued through the policy cache): live slots in slot order,
-        which keeps a contiguous policy's sinks first."""
+        kept between requests, continued through the policy cache)."""
+        index = slice(row, row + 1)
+        if isinstance(layer, PolicyLayer):
+            sizes = Sizes(*(int(getattr(self.sizes, part)[row]) for part in PARTS))
+            keys, values = self.keys[index].to(dtype), self.values[index].to(dtype)
+            positions, scores = self.positions[index], self.scores[index]
+            layer.take_slots(HeldSlots(keys, values, positions, scores, self.policy, sizes, self.evicting), seen)
+            return
+        # a sliding-window layer holds its live tokens in position order
         live = self.positions[row] >= 0
-        held = int(live[0].sum())
-        order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[:, :held]
-        if not isinstance(layer, PolicyLayer):  # a sliding-window layer holds its tokens in order
-            order = order.gather(1, self.positions[row].gather(1, order).argsort(-1))
+        order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[:, : int(live[0].sum())]
+        order = order.gather(1, self.positions[row].gather(1, order).argsort(-1))
         keys = self.keys[row].gather(1, order[..., None].expand(-1, -1, self.keys.shape[3]))[None].to(dtype)
         values = self.values[row].gather(1, order[..., None].expand(-1, -1, self.values.shape[3]))[None].to(dtype)
         layer.keys, layer.values, layer.is_initialized = keys, values, True
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.cumulative_length = seen
-        if not isinstance(layer, PolicyLayer):
-            return
-        layer.positions = self.positions[row].gather(1, order)[None]
-        layer.scores = self.scores[row].gather(1, order)[None]
-        layer.size = held
-        bounded = bool(layer.policy.budget_parts())
-        layer.sizes = Sizes(*(int(getattr(self.sizes, p)[row]) for p in PARTS)) if bounded else None
-        layer.compressed = bounded and not self.evicting
-        layer.check_padding = False
 
     def write(self, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
         """Put the new token's key/value [b, h, 1, d] at `position` [b] into each row's free slot."""
@@ -236,33 +232,15 @@ class StaticKV:
 # -- the hand-over between a policy cache (prefill, held conversations) and slots (decoding) --------
 
 
-def slots_of(layer: CacheLayerMixin) -> dict:
-    """One prefilled cache layer as slots: keys, values, positions (EMPTY where free), scores, and
-    how the layer goes on (policy, sizes, evicting)."""
+def slots_of(layer: CacheLayerMixin) -> HeldSlots:
+    """One prefilled cache layer as slots: a policy layer's own, or a sliding-window layer's."""
     if isinstance(layer, PolicyLayer):
-        held = layer.size + (layer.hole is not None)
-        keys = layer.keys[:, :, :held].clone()
-        positions = layer.positions[:, :, :held].clone()
-        if layer.hole is not None:
-            positions.scatter_(2, layer.hole, EMPTY)
-        if layer.sink_keys is not None:  # rolling sinks were rotated in place: restore them
-            keys[:, :, : layer.sink_keys.shape[2]] = layer.sink_keys
-        sizes = layer.sizes
-        return dict(
-            keys=keys,
-            values=layer.values[:, :, :held],
-            positions=positions,
-            scores=layer.scores[:, :, :held],
-            policy=layer.policy,
-            sizes=sizes or Sizes(),
-            evicting=sizes is not None and not layer.compressed,
-            rotation=layer.rotation,
-        )
+        return layer.to_slots()
     # transformers' sliding-window layer (Gemma 3): the newest `sliding_window - 1` tokens
     held = layer.keys.shape[2]
     window = layer.sliding_window - 1
     positions = torch.arange(layer.cumulative_length - held, layer.cumulative_length, device=layer.keys.device)
-    return dict(
+    return HeldSlots(
         keys=layer.keys,
         values=layer.values,
         positions=positions.expand(*layer.keys.shape[:2], held).clone(),
@@ -270,25 +248,24 @@ def slots_of(layer: CacheLayerMixin) -> dict:
         policy=WindowPolicy(recent=window),
         sizes=Sizes(recent=window),
         evicting=True,
-        rotation=None,
     )
 
 
-def capacity_for(parts: list[dict], max_new_tokens: int) -> int:
+def capacity_for(parts: list[HeldSlots], max_new_tokens: int) -> int:
     """Slots a layer needs: the largest budget plus the token in flight, or (keeping every token)
     the longest held row plus its new tokens, rounded up to 64 (fewer shapes to compile)."""
-    if parts[0]["evicting"]:
-        return max(part["sizes"].budget for part in parts) + 1
-    held = max(part["positions"].shape[2] for part in parts)
+    if parts[0].evicting:
+        return max(part.sizes.budget for part in parts) + 1
+    held = max(part.positions.shape[2] for part in parts)
     return -(-(held + max_new_tokens) // 64) * 64
 
 
-def stack(parts: list[dict], capacity: int, kv_dtype: torch.dtype) -> LayerState:
+def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> LayerState:
     """One layer's slots for all rows, from each row group's prefilled layer."""
-    rows = sum(part["keys"].shape[0] for part in parts)
-    h, d = parts[0]["keys"].shape[1], parts[0]["keys"].shape[3]
-    dv = parts[0]["values"].shape[3]
-    device = parts[0]["keys"].device
+    rows = sum(part.keys.shape[0] for part in parts)
+    h, d = parts[0].keys.shape[1], parts[0].keys.shape[3]
+    dv = parts[0].values.shape[3]
+    device = parts[0].keys.device
     keys = torch.zeros(rows, h, capacity, d, dtype=kv_dtype, device=device)
     values = torch.zeros(rows, h, capacity, dv, dtype=kv_dtype, device=device)
     positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long, device=device)
@@ -296,17 +273,17 @@ def stack(parts: list[dict], capacity: int, kv_dtype: torch.dtype) -> LayerState
     budgets = []
     row = 0
     for part in parts:
-        n, held = part["keys"].shape[0], part["keys"].shape[2]
-        keys[row : row + n, :, :held] = part["keys"]
-        values[row : row + n, :, :held] = part["values"]
-        positions[row : row + n, :, :held] = part["positions"]
-        scores[row : row + n, :, :held] = part["scores"]
-        if part["evicting"]:
-            positions[row : row + n, :, part["sizes"].budget + 1 :] = DEAD
-        budgets += [part["sizes"]] * n
+        n, held = part.keys.shape[0], part.keys.shape[2]
+        keys[row : row + n, :, :held] = part.keys
+        values[row : row + n, :, :held] = part.values
+        positions[row : row + n, :, :held] = part.positions
+        scores[row : row + n, :, :held] = part.scores
+        if part.evicting:
+            positions[row : row + n, :, part.sizes.budget + 1 :] = DEAD
+        budgets += [part.sizes] * n
         row += n
     sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
-    policy, evicting = parts[0]["policy"], parts[0]["evicting"]
+    policy, evicting = parts[0].policy, parts[0].evicting
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
     return LayerState(
         policy=policy,
@@ -317,7 +294,7 @@ def stack(parts: list[dict], capacity: int, kv_dtype: torch.dtype) -> LayerState
         positions=positions,
         scores=scores,
         slot=slot,
-        rotation=parts[0]["rotation"],
+        rotation=parts[0].rotation,
         contiguous=policy.contiguous,
         sinks=max(s.sinks for s in budgets),
     )

@@ -41,7 +41,9 @@ class RulerSettings:
     seed: int = 42
     haystack: str | None = None
     separate_prefill: bool = False
-    """Read the context again for every policy x ratio (to check and time the shared prefill)."""
+    """Run every policy x ratio alone, reading the context again (to check and time the shared run)."""
+    duo_heads: str | None = None
+    """duo_attention's calibrated retrieval heads (a JSON file); None scores heads on each prompt."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -75,10 +77,27 @@ def _read_alone(model, context: list[int], policy):
     return cache
 
 
+def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings: RulerSettings) -> list[list[dict]]:
+    """The cells as rows of shared decodes: every cell whose cache keeps each new token (the full
+    cache, a policy that compressed the context once) in one batch, since decoding then consults
+    no policy; each policy that evicts while decoding in its own (its ratios as rows). Separate
+    runs (`separate_prefill`) decode every cell alone, as a run per cell would."""
+    from sparsegen.kv import make_policy
+
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for name, ratio in cells:
+        budget = kept_tokens(context_length, ratio) if ratio else None
+        extra = {"heads": settings.duo_heads} if name == "duo_attention" and settings.duo_heads else {}
+        policy = make_policy(name, budget=budget, **extra)
+        keeps_new = name == "full" or type(policy).prefill_only
+        key = (name, ratio) if settings.separate_prefill else "keeps every new token" if keeps_new else name
+        groups[key].append({"name": name, "ratio": ratio, "budget": budget, "policy": policy})
+    return list(groups.values())
+
+
 def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings) -> list[dict]:
     """Every policy x ratio on one sample, from one prefill of its context."""
     from sparsegen.decode import generate
-    from sparsegen.kv import make_policy
     from sparsegen.kv.shared import SharedPrefill
 
     context = tokenizer(sample.context, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
@@ -89,28 +108,24 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
     started = time.perf_counter()
     shared = None if settings.separate_prefill else SharedPrefill(model, context)
     prefill_s = time.perf_counter() - started
-    by_policy: dict[str, list[float]] = defaultdict(list)
-    for name, ratio in _cells(settings):
-        by_policy[name].append(ratio)
     records = []
-    for name, ratios in by_policy.items():
-        budgets = [kept_tokens(len(context), r) if r else None for r in ratios]
-        policies = [make_policy(name, budget=budget) for budget in budgets]
+    for group in _decode_groups(_cells(settings), len(context), settings):
         began = time.perf_counter()
         caches = [
-            _read_alone(model, context, p) if settings.separate_prefill else shared.cache_for(p) for p in policies
+            _read_alone(model, context, cell["policy"]) if shared is None else shared.cache_for(cell["policy"])
+            for cell in group
         ]
         made = generate(
             model,
-            [question] * len(policies),
+            [question] * len(group),
             setting["tokens_to_generate"],
-            policies[0],
+            group[0]["policy"],
             compile="never",
             tokenizer=tokenizer,
             held=caches,
         )
         seconds = time.perf_counter() - began
-        for ratio, budget, policy, tokens in zip(ratios, budgets, policies, made.tokens, strict=True):
+        for cell, tokens in zip(group, made.tokens, strict=True):
             prediction = tokenizer.decode(tokens, skip_special_tokens=True)
             score = setting["metric"]([clean(prediction)], [sample.references])[0]
             records.append(
@@ -118,15 +133,15 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
                     "task": sample.task,
                     "length": sample.length,
                     "index": sample.index,
-                    "policy": name,
-                    "ratio": ratio,
-                    "budget": budget,
-                    "setting": policy.describe(),
+                    "policy": cell["name"],
+                    "ratio": cell["ratio"],
+                    "budget": cell["budget"],
+                    "setting": cell["policy"].describe(),
                     "protocol": settings.protocol,
                     "context_tokens": len(context),
                     "prediction": prediction,
                     "score": score,
-                    "decode_s": seconds / len(ratios),
+                    "decode_s": seconds / len(group),
                     "prefill_s": prefill_s,
                 }
             )

@@ -9,9 +9,10 @@ import importlib
 import pkgutil
 
 from sparsegen.kv.attention import policy_attention
-from sparsegen.kv.cache import PolicyCache, PolicyLayer
+from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import POLICIES, Policy, Sizes, Step, make_policy, register_policy, resolve_budget
+from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.stream import StreamStep, stream
 
 # Every module of this package is imported, so a policy registers itself by existing as a file.

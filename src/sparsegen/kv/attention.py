@@ -55,6 +55,17 @@ def _fit_mask(mask: torch.Tensor, keys: int, queries: int) -> torch.Tensor:
     return torch.cat([held, mask[..., -queries:]], dim=-1)
 
 
+def _refuse_padding(mask: torch.Tensor | None) -> None:
+    """A key column masked for every query is padding, which a policy cache cannot evict right."""
+    if mask is None or mask.dim() != 4:
+        return
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    if not visible.any(dim=-2).all():
+        raise SparsegenError(
+            "padded batches are not supported by KV policies: batch prompts of equal length, or run them one at a time"
+        )
+
+
 def _make_attention(base):
     def attention(module, query, key, value, attention_mask, scaling=None, static_kv=None, policy_layer=None, **kwargs):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -62,12 +73,17 @@ def _make_attention(base):
             state = static_kv.layers[module.layer_idx]
             state.write(key, value, static_kv.seen - 1)
             return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
+        if policy_layer is not None and policy_layer.head_of is not None:  # heads of different lengths
+            out = policy_layer.attend_flat(query, key, value, scaling)
+            policy_layer.after_attention(query, key, scaling)
+            return out, None
         if policy_layer is not None and attention_mask is not None:
             attention_mask = _fit_mask(attention_mask, key.shape[-2], query.shape[-2])
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if policy_layer is not None:
             if policy_layer.check_padding:
-                policy_layer.refuse_padding(attention_mask, query.shape[-2])
+                policy_layer.check_padding = False
+                _refuse_padding(attention_mask)
             policy_layer.after_attention(query, key, scaling, weights)
         return out, weights
 

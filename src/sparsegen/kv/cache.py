@@ -9,11 +9,13 @@ Slot order does not matter to attention once every slot carries its original pos
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv import ragged
 from sparsegen.kv.policy import KEEP, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.slots import EMPTY, HeldSlots, room_for
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -28,13 +30,14 @@ class PolicyLayer(CacheLayerMixin):
 
     `cumulative_length` is the logical length (tokens seen, what `generate()` builds positions
     from); `size` is the number of tokens physically held. `hole` [b, h, 1], when set, is the
-    slot in [0, size] evicted last and free for the next token.
+    slot in [0, size] evicted last and free for the next token. `head_of`, once a head-adaptive
+    policy has compressed the prompt, tags the slots of the flattened heads (`kv.ragged`).
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
-    _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys")
+    _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys", "head_of")
 
     def __init__(
         self,
@@ -60,6 +63,8 @@ class PolicyLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.sink_keys: torch.Tensor | None = None
+        self.head_of: torch.Tensor | None = None
+        self.kv_heads = 0
         self.check_padding = True
         self.new_tokens = 0
         self.compressed = False
@@ -68,6 +73,7 @@ class PolicyLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, _ = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.kv_heads = h
         self.keys = key_states.new_empty(b, h, 0, key_states.shape[-1])
         self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
@@ -88,7 +94,11 @@ class PolicyLayer(CacheLayerMixin):
             self.sizes = self._resolve_sizes(self.cumulative_length + n - self.pinned)
         new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
         new_positions = new_positions.expand(*key_states.shape[:2], n)
-        if self.hole is not None and n == 1:
+        if self.head_of is not None:
+            self._append(ragged.spread(key_states), ragged.spread(value_states), ragged.spread(new_positions))
+            size, b = self.size, key_states.shape[0]
+            self.head_of[:, :, size - n * self.kv_heads : size] = ragged.new_head_tags(b, self.kv_heads, n, self.device)
+        elif self.hole is not None and n == 1:
             self._fill_hole(key_states, value_states, new_positions)
         else:
             if self.hole is not None:
@@ -113,7 +123,8 @@ class PolicyLayer(CacheLayerMixin):
         if self.rotation is None or self.cumulative_length == self.size:
             return keys
         if not self.policy.contiguous:
-            return self.rotation.roll(keys, self.positions[:, :, : self.size], self.cumulative_length)
+            head_of = None if self.head_of is None else self.head_of[:, :, : self.size]
+            return self.rotation.roll(keys, self.positions[:, :, : self.size], self.cumulative_length, head_of)
         # A contiguous policy holds the sinks plus a run of the newest tokens:
         # only the sinks move, all by the same delta. Sinks keep slots [0, sinks) (never evicted,
         # compaction keeps slot order), so they are rotated in place from a pristine copy.
@@ -137,7 +148,7 @@ class PolicyLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.scores = self.hole = self.sink_keys = None
+        self.keys = self.values = self.positions = self.scores = self.hole = self.sink_keys = self.head_of = None
         self.is_initialized = False
         self.cumulative_length = self.size = 0
         self.sizes = None
@@ -166,6 +177,45 @@ class PolicyLayer(CacheLayerMixin):
                 if tensor is not None:
                     setattr(self, name, tensor.index_select(0, index.to(tensor.device)))
 
+    # -- the hand-over to and from the fast path's slots ------------------------------------
+    def to_slots(self) -> HeldSlots:
+        """What this layer holds, as slots (heads of different counts padded with free slots)."""
+        if self.head_of is not None:
+            fills = {"keys": 0.0, "values": 0.0, "positions": EMPTY, "scores": 0.0}
+            slots = ragged.unpack(self.held_slots(), self.head_of[:, :, : self.size], self.kv_heads, fills)
+            return HeldSlots(**slots, policy=self.policy, sizes=self.sizes, evicting=False, rotation=self.rotation)
+        held = self.size + (self.hole is not None)
+        keys = self.keys[:, :, :held].clone()
+        positions = self.positions[:, :, :held].clone()
+        if self.hole is not None:
+            positions.scatter_(2, self.hole, EMPTY)
+        if self.sink_keys is not None:  # rolling sinks were rotated in place: restore them
+            keys[:, :, : self.sink_keys.shape[2]] = self.sink_keys
+        evicting = self.sizes is not None and not self.compressed
+        sizes = self.sizes or Sizes()
+        values, scores = self.values[:, :, :held], self.scores[:, :, :held]
+        return HeldSlots(keys, values, positions, scores, self.policy, sizes, evicting, self.rotation)
+
+    def take_slots(self, slots: HeldSlots, seen: int) -> None:
+        """Hold one row's `slots` after `seen` tokens (a conversation the fast path hands back):
+        the live slots in slot order, which keeps a contiguous policy's sinks first; heads that
+        hold different counts are packed flat."""
+        live = slots.positions[0] >= 0
+        self.kv_heads, self.dtype, self.device = live.shape[0], slots.keys.dtype, slots.keys.device
+        self.is_initialized, self.cumulative_length, self.check_padding = True, seen, False
+        bounded = bool(self.policy.budget_parts())
+        self.sizes = slots.sizes if bounded else None
+        self.compressed = bounded and not slots.evicting
+        tensors = {"keys": slots.keys, "values": slots.values, "positions": slots.positions, "scores": slots.scores}
+        counts = live.sum(-1)
+        if bool((counts != counts[0]).any()):
+            self.hold_packed(ragged.pack(tensors, live[None]))
+            return
+        order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[None, :, : int(counts[0])]
+        for name, tensor in tensors.items():
+            setattr(self, name, _gather(tensor, order))
+        self.size = int(counts[0])
+
     # -- checkpoints ------------------------------------------------------------------------
     _STATE = (
         "keys",
@@ -174,6 +224,8 @@ class PolicyLayer(CacheLayerMixin):
         "scores",
         "hole",
         "sink_keys",
+        "head_of",
+        "kv_heads",
         "cumulative_length",
         "size",
         "check_padding",
@@ -220,8 +272,10 @@ class PolicyLayer(CacheLayerMixin):
     def _keep(self, index: torch.Tensor, capacity: int) -> None:
         """Keep the slots `index` [b, h, m], compacted into new buffers of `capacity` slots."""
         kept = index.shape[-1]
-        for name in ("keys", "values", "positions", "scores"):
+        for name in ("keys", "values", "positions", "scores", "head_of"):
             old = getattr(self, name)
+            if old is None:
+                continue
             new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
             new[:, :, :kept] = _gather(old, index)
             setattr(self, name, new)
@@ -230,8 +284,11 @@ class PolicyLayer(CacheLayerMixin):
     def _append(self, key_states, value_states, new_positions) -> None:
         n, size = key_states.shape[-2], self.size
         if size + n > self.capacity:
-            limit = self.sizes.budget + 1 if self.sizes is not None and not self.compressed else float("inf")
-            grown = int(max(size + n, min(limit, max(2 * self.capacity, 64))))
+            if self.compressed:  # keeps every new token: grow by a sixteenth, to stay near what it holds
+                grown = size + n + room_for(size + n)
+            else:
+                limit = self.sizes.budget + 1 if self.sizes is not None else float("inf")
+                grown = int(max(size + n, min(limit, max(2 * self.capacity, 64))))
             self._keep(torch.arange(size, device=self.device).expand(*key_states.shape[:2], -1), grown)
         self.keys[:, :, size : size + n] = key_states
         self.values[:, :, size : size + n] = value_states
@@ -264,6 +321,7 @@ class PolicyLayer(CacheLayerMixin):
             sizes=self.sizes,
             weights=weights,
             rope=self.rope,
+            layer=self.layer_idx or 0,
             _received={} if received is None else received,
         )
         scores = self.policy.score(step)
@@ -279,95 +337,51 @@ class PolicyLayer(CacheLayerMixin):
         priority = self.policy.priority(step)
         if self.pinned:
             priority = priority.masked_fill(step.positions < self.pinned, KEEP)
-        if self.size - self.sizes.budget == 1 and not self.compressed:
+        budget = self.sizes.budget
+        if self.policy.head_adaptive:
+            self.hold_packed(ragged.pack(self.held_slots(), ragged.select_across_heads(priority, budget)))
+        elif self.size - budget == 1 and not self.compressed:
             self.hole = priority.argmin(-1, keepdim=True)
             self.size -= 1
         else:
-            keep = priority.topk(self.sizes.budget, dim=-1).indices.sort(-1).values
-            self._keep(keep, self.capacity if self.compressed else self.sizes.budget + 1)
+            keep = priority.topk(budget, dim=-1).indices.sort(-1).values
+            self._keep(keep, budget + room_for(budget) if self.compressed else budget + 1)
 
-    def refuse_padding(self, mask: torch.Tensor | None, query_length: int) -> None:
-        """A key column masked for every query is padding, which a policy cache cannot evict right."""
-        self.check_padding = False
-        if mask is None or mask.dim() != 4:
-            return
-        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        if not visible.any(dim=-2).all():
-            raise SparsegenError(
-                "padded batches are not supported by KV policies: batch prompts of equal length, "
-                "or run them one at a time"
-            )
+    def held_slots(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name)[:, :, : self.size] for name in ("keys", "values", "positions", "scores")}
+
+    def hold_packed(self, packed: dict[str, torch.Tensor]) -> None:
+        """Hold `ragged.pack`'s flat slots from now on, with room for new tokens (one slot per head each)."""
+        total = packed["head_of"].shape[-1]
+        room = self.kv_heads * room_for(total // self.kv_heads)
+        for name, tensor in packed.items():
+            buffer = tensor.new_zeros(*tensor.shape[:2], total + room, *tensor.shape[3:])
+            buffer[:, :, :total] = tensor
+            setattr(self, name, buffer)
+        self.size = total
+
+    def attend_flat(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+        """This call's attention over the flattened heads (`kv.ragged.attend`)."""
+        head_of, positions = self.head_of[:, :, : self.size], self.positions[:, :, : self.size]
+        return ragged.attend(query, keys, values, head_of, positions, self.kv_heads, scaling, self.cumulative_length)
+
+    @property
+    def tokens_per_head(self) -> int:
+        """Tokens held per KV head (on average, where heads share the layer's budget)."""
+        return self.size // self.kv_heads if self.head_of is not None else self.size
+
+    def kept_positions(self) -> list[list[list[int]]]:
+        """Sorted positions each (row, KV head) holds: [b][h] lists, whatever the layout."""
+        if self.head_of is None:
+            return self.held_positions().tolist()
+        return ragged.per_head(self.head_of[:, :, : self.size], self.positions[:, :, : self.size], self.kv_heads)
 
     def held_positions(self) -> torch.Tensor:
         """Original positions of the tokens held now, sorted, [b, h, size]."""
+        if self.head_of is not None:
+            raise SparsegenError("this layer's heads hold different counts: read them with kept_positions()")
         positions = self.positions[:, :, : self.size + (self.hole is not None)]
         if self.hole is not None:
             positions = positions.scatter(2, self.hole, -1)
             positions = positions.sort(-1).values[:, :, 1:]
         return positions.sort(-1).values
-
-
-class PolicyCache(Cache):
-    """A transformers `Cache` whose full-attention layers apply a KV policy."""
-
-    def __init__(self, layers: list[CacheLayerMixin], policy: Policy, position: str) -> None:
-        super().__init__(layers=layers)
-        self.policy = policy
-        self.position = position
-
-    def physical_length(self) -> int | list[int]:
-        """Tokens actually held: one int if all layers agree, else one per layer."""
-        lengths = [
-            layer.size if isinstance(layer, PolicyLayer) else (layer.keys.shape[-2] if layer.is_initialized else 0)
-            for layer in self.layers
-        ]
-        return lengths[0] if len(set(lengths)) == 1 else lengths
-
-    def policy_layers(self) -> list[PolicyLayer]:
-        return [layer for layer in self.layers if isinstance(layer, PolicyLayer)]
-
-    def kv_bytes(self) -> int:
-        """Bytes of keys and values physically held (all layers)."""
-        total = 0
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            held = layer.size if isinstance(layer, PolicyLayer) else layer.keys.shape[-2]
-            for tensor in (layer.keys, layer.values):
-                total += tensor[:, :, :held].numel() * tensor.element_size()
-        return total
-
-    def state_dict(self) -> dict:
-        """Every layer's state (tensors and plain values), for checkpoints that resume a stream."""
-        return {"policy": self.policy.describe(), "layers": [_layer_state(layer) for layer in self.layers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["policy"] != self.policy.describe() or len(state["layers"]) != len(self.layers):
-            raise SparsegenError(f"this checkpoint is of {state['policy']}, not of {self.policy.describe()}")
-        for layer, saved in zip(self.layers, state["layers"], strict=True):
-            _load_layer_state(layer, saved)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise SparsegenError("a policy cache cannot be cropped (assisted/speculative decoding is not supported)")
-
-    def __repr__(self) -> str:
-        return f"PolicyCache({self.policy.describe()}, position={self.position}, layers={len(self.layers)})"
-
-
-_SLIDING_STATE = ("keys", "values", "cumulative_length", "is_initialized")
-
-
-def _layer_state(layer: CacheLayerMixin) -> dict:
-    if isinstance(layer, PolicyLayer):
-        return layer.state_dict()
-    return {name: getattr(layer, name, None) for name in _SLIDING_STATE}  # transformers' sliding layer
-
-
-def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
-    if isinstance(layer, PolicyLayer):
-        layer.load_state_dict(state)
-        return
-    for name in _SLIDING_STATE:
-        setattr(layer, name, state[name])
-    if layer.keys is not None:
-        layer.dtype, layer.device = layer.keys.dtype, layer.keys.device

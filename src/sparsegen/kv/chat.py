@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from functools import partial
 
 from sparsegen.kv.attention import policy_attention
-from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.policy import Policy
+from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.sampling import StopRule, choose, stop_tokens
 
 

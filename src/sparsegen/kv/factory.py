@@ -7,8 +7,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import check_supported
-from sparsegen.kv.cache import PolicyCache, PolicyLayer
+from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import Policy
+from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.rope import KeyRotation
 
 POSITIONS = ("original", "rolling")

@@ -33,14 +33,15 @@ DEFAULT_SINKS = 4
 
 @dataclass(frozen=True)
 class Sizes:
-    """Token counts of one resolved budget: never-evicted first tokens, top-scored, most recent."""
+    """Token counts of one resolved budget: never-evicted first tokens, top-scored, most recent.
+    Ints for one cache; one count per row ([b, 1, 1] tensors) in the fast path's slots."""
 
-    sinks: int = 0
-    heavy: int = 0
-    recent: int = 0
+    sinks: int | torch.Tensor = 0
+    heavy: int | torch.Tensor = 0
+    recent: int | torch.Tensor = 0
 
     @property
-    def budget(self) -> int:
+    def budget(self) -> int | torch.Tensor:
         return self.sinks + self.heavy + self.recent
 
 
@@ -50,9 +51,10 @@ class Step:
 
     `positions`, `scores` [b, h, n]; `keys`, `values` [b, h, n, d] (keys as attention saw them);
     `query` [b, hq, new, d], the new tokens' queries; `weights`, when the attention implementation
-    returned them, [b, hq, new, n]. `seen` counts every token so far, `new` this call's. `rope`
-    rotates by the model's RoPE frequencies (given by the drop-in cache, for policies that reason
-    about queries at other positions).
+    returned them, [b, hq, new, n]. `seen` counts every token so far (per row, [b, 1, 1], on the
+    fast path), `new` this call's. `rope` rotates by the model's RoPE frequencies (given by the
+    drop-in cache, for policies that reason about queries at other positions); `layer` is the
+    attention layer's index.
     """
 
     positions: torch.Tensor
@@ -61,11 +63,12 @@ class Step:
     scores: torch.Tensor
     query: torch.Tensor
     scaling: float
-    seen: int
+    seen: int | torch.Tensor
     new: int
     sizes: Sizes | None
     weights: torch.Tensor | None = None
     rope: KeyRotation | None = None
+    layer: int = 0
     _received: dict = field(default_factory=dict, repr=False)
 
     def received(self, last: int | None = None) -> torch.Tensor:
@@ -140,13 +143,16 @@ class Policy(ABC):
     Class attributes: `name` (registry key), `default_position` ("original" or "rolling"),
     `contiguous` (the kept set is always the sinks plus a run of the newest tokens, which lets
     rolling positions rotate only the sinks), `prefill_only` (compress once, after the prompt is
-    read, then keep every new token). Budget parts are the fields named sinks, heavy, recent.
+    read, then keep every new token), `head_adaptive` (a prefill-only policy whose layer keeps its
+    heads' budgets as one pool, the highest priorities of the whole layer: `kv.ragged`). Budget
+    parts are the fields named sinks, heavy, recent.
     """
 
     name: ClassVar[str]
     default_position: ClassVar[str] = "original"
     contiguous: ClassVar[bool] = False
     prefill_only: ClassVar[bool] = False
+    head_adaptive: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for part in self.budget_parts():

@@ -35,13 +35,23 @@ class KeyRotation:
         rotated = (rot * cos + rotate_half(rot) * sin).to(keys.dtype)
         return torch.cat((rotated, rest), -1) if rest.shape[-1] else rotated
 
-    def roll(self, keys: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """Keys [b, h, n, d] at original `positions` [b, h, n] moved to positions within the cache."""
-        order = positions.argsort(-1)
-        rank = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-        )
-        delta = length - positions.shape[-1] + rank - positions
+    def roll(
+        self, keys: torch.Tensor, positions: torch.Tensor, length: int, head_of: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Keys [b, h, n, d] at original `positions` [b, h, n] moved to positions within the cache
+        (the held tokens of each head in order, the last at `length - 1`). `head_of` [b, 1, n]
+        tags flat slots of heads that share a budget (`kv.ragged`): each head rolls on its own."""
+        held = positions.shape[-1]
+        sort_key = positions if head_of is None else head_of * (length + 1) + positions
+        order = sort_key.argsort(-1)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(held, device=order.device).expand_as(order))
+        count = torch.full_like(positions, held)
+        if head_of is not None:
+            per_head = torch.zeros(*head_of.shape[:2], int(head_of.max()) + 1, dtype=torch.long, device=head_of.device)
+            per_head.scatter_add_(-1, head_of, torch.ones_like(head_of))
+            rank = rank - (per_head.cumsum(-1) - per_head).gather(-1, head_of)
+            count = per_head.gather(-1, head_of)
+        delta = length - count + rank - positions
         moved = delta.nonzero(as_tuple=True)
         if moved[0].numel() == 0:
             return keys

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.kv.cache import PolicyCache, PolicyLayer, _layer_state, _load_layer_state
+from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
+from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
 from sparsegen.kv.stream import read
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.kv.attention import policy_attention
-from sparsegen.kv.cache import PolicyCache
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
+from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.sampling import choose
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
-from sparsegen.kv.cache import PolicyCache
+from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.prompt.soft import SoftPrompt
 
 

@@ -1,0 +1,78 @@
+"""The transformers `Cache` of a model under a KV policy: its policy layers, with the model's own
+sliding-window layers beside them (Gemma 3); held sizes, bytes, and checkpoints."""
+
+from __future__ import annotations
+
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sparsegen.errors import SparsegenError
+from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.policy import Policy
+
+
+class PolicyCache(Cache):
+    """A transformers `Cache` whose full-attention layers apply a KV policy."""
+
+    def __init__(self, layers: list[CacheLayerMixin], policy: Policy, position: str) -> None:
+        super().__init__(layers=layers)
+        self.policy = policy
+        self.position = position
+
+    def physical_length(self) -> int | list[int]:
+        """Tokens actually held: one int if all layers agree, else one per layer."""
+        lengths = [
+            layer.tokens_per_head
+            if isinstance(layer, PolicyLayer)
+            else (layer.keys.shape[-2] if layer.is_initialized else 0)
+            for layer in self.layers
+        ]
+        return lengths[0] if len(set(lengths)) == 1 else lengths
+
+    def policy_layers(self) -> list[PolicyLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PolicyLayer)]
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values physically held (all layers)."""
+        total = 0
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            held = layer.size if isinstance(layer, PolicyLayer) else layer.keys.shape[-2]
+            for tensor in (layer.keys, layer.values):
+                total += tensor[:, :, :held].numel() * tensor.element_size()
+        return total
+
+    def state_dict(self) -> dict:
+        """Every layer's state (tensors and plain values), for checkpoints that resume a stream."""
+        return {"policy": self.policy.describe(), "layers": [_layer_state(layer) for layer in self.layers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["policy"] != self.policy.describe() or len(state["layers"]) != len(self.layers):
+            raise SparsegenError(f"this checkpoint is of {state['policy']}, not of {self.policy.describe()}")
+        for layer, saved in zip(self.layers, state["layers"], strict=True):
+            _load_layer_state(layer, saved)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise SparsegenError("a policy cache cannot be cropped (assisted/speculative decoding is not supported)")
+
+    def __repr__(self) -> str:
+        return f"PolicyCache({self.policy.describe()}, position={self.position}, layers={len(self.layers)})"
+
+
+_SLIDING_STATE = ("keys", "values", "cumulative_length", "is_initialized")
+
+
+def _layer_state(layer: CacheLayerMixin) -> dict:
+    if isinstance(layer, PolicyLayer):
+        return layer.state_dict()
+    return {name: getattr(layer, name, None) for name in _SLIDING_STATE}  # transformers' sliding layer
+
+
+def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
+    if isinstance(layer, PolicyLayer):
+        layer.load_state_dict(state)
+        return
+    for name in _SLIDING_STATE:
+        setattr(layer, name, state[name])
+    if layer.keys is not None:
+        layer.dtype, layer.device = layer.keys.dtype, layer.keys.device

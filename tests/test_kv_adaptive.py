@@ -1,0 +1,95 @@
+"""Head-adaptive caches (AdaKV, DuoAttention): heads share a layer's budget, and the cache holds that budget's bytes."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sparsegen.decode import Decoder, generate
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import make_cache, make_policy, policy_attention
+from sparsegen.kv.duo_attention import calibrate_heads, save_heads
+from tests.conftest import COMMON, build_tiny, tiny_tokenizer
+
+
+def _generate(model, ids, cache, new=20):
+    with policy_attention(model):
+        return model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False, pad_token_id=0)
+
+
+def test_a_full_safeguard_keeps_each_heads_own_best_as_the_scorer_does():
+    """alpha=1 guarantees every head its own top budget: the shared pool then changes nothing."""
+    for arch in ("llama", "gemma3"):
+        model = build_tiny(arch)
+        ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(0))
+        adaptive = _generate(model, ids, make_cache(model, "adakv", budget=16, alpha=1.0))
+        per_head = _generate(model, ids, make_cache(model, "expected_attention", budget=16))
+        assert torch.equal(adaptive, per_head)
+
+
+def test_the_fast_path_decodes_as_the_drop_in_cache():
+    model = build_tiny("mistral")
+    ids = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(2))
+    policy = make_policy("adakv", budget=12)
+    fast = generate(model, [ids[0].tolist()], 20, policy, compile="never").tokens[0]
+    assert fast == _generate(model, ids, make_cache(model, policy))[0, 60:].tolist()
+
+
+def test_the_cache_holds_the_budgets_bytes_not_the_largest_heads_times_the_heads():
+    config = LlamaConfig(**{**COMMON, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4})
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(3))
+    budget, new = 64, 10
+    cache = make_cache(model, "adakv", budget=budget)
+    _generate(model, ids, cache, new=new + 1)
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_slot = 2 * head_dim * 4  # a key and a value, fp32
+    budget_bytes = (budget + new) * config.num_key_value_heads * config.num_hidden_layers * per_slot
+    layers = cache.policy_layers()
+    allocated = sum(layer.keys.numel() + layer.values.numel() for layer in layers) * 4
+    assert cache.kv_bytes() == budget_bytes
+    assert budget_bytes <= allocated <= 1.1 * budget_bytes
+    counts = [[len(kept) for kept in layer.kept_positions()[0]] for layer in layers]
+    assert all(sum(c) == (budget + new) * config.num_key_value_heads for c in counts)
+    largest = sum(max(c) for c in counts) * config.num_key_value_heads * per_slot
+    assert largest > 1.1 * budget_bytes  # heads really differ: a padded layout would hold more
+
+
+def test_a_handed_back_row_holds_what_the_drop_in_cache_holds():
+    """The server keeps a conversation by handing its row back from the fast path's slots."""
+    model = build_tiny("llama")
+    ids = torch.randint(3, 96, (1, 50), generator=torch.Generator().manual_seed(4))
+    policy = make_policy("adakv", budget=10)
+    with policy_attention(model):
+        decoder = Decoder(model, policy, compile="never")
+        logits = decoder.start([ids[0].tolist()], 6)
+        tokens = []
+        for _ in range(6):
+            tokens.append(int(logits.argmax(-1)))
+            logits = decoder.step(torch.tensor(tokens[-1:]))
+        handed = decoder.hand_back(0)
+        alone = make_cache(model, policy)
+        model(torch.cat([ids, torch.tensor([tokens])], 1)[:, :50], cache=alone)
+        model(torch.tensor([tokens]), cache=alone)
+    for mine, theirs in zip(handed.policy_layers(), alone.policy_layers(), strict=True):
+        assert mine.kept_positions() == theirs.kept_positions()
+        assert mine.tokens_per_head == theirs.tokens_per_head == 16
+
+
+def test_duo_attention_gives_the_pool_to_the_heads_its_calibration_ranks_first(tmp_path):
+    model = build_tiny("llama")  # 3 layers x 2 KV heads
+    scores = calibrate_heads(model, tiny_tokenizer(), samples=2, length=96)
+    assert scores.shape == (3, 2) and bool(((scores >= 0) & (scores <= 1)).all())
+    save_heads(torch.tensor([[0.9, 0.1], [0.2, 0.7], [0.5, 0.6]]), tmp_path / "heads.json", "tiny")
+    policy = make_policy("duo_attention", sinks=2, heavy=20, recent=4, heads=str(tmp_path / "heads.json"))
+    cache = make_cache(model, policy)
+    _generate(model, torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(5)), cache, new=1)
+    kept = [[len(head) for head in layer.kept_positions()[0]] for layer in cache.policy_layers()]
+    assert kept == [[46, 6], [6, 46], [6, 46]]  # the retrieval head: 2 + 20 * 2 + 4 of 60; the streaming one: 2 + 4
+
+
+def test_duo_attention_refuses_heads_of_another_model(tmp_path):
+    save_heads(torch.zeros(5, 3), tmp_path / "heads.json", "other")
+    model = build_tiny("llama")
+    cache = make_cache(model, "duo_attention", sinks=2, heavy=8, recent=4, heads=str(tmp_path / "heads.json"))
+    with pytest.raises(SparsegenError, match="calibrated for another model"):
+        _generate(model, torch.randint(3, 96, (1, 40)), cache, new=1)
