@@ -11,11 +11,14 @@ $(BIN)/sparsegen: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
-.PHONY: install demo test test-fast lint
+.PHONY: install demo demo-long test test-fast lint
 install: $(BIN)/sparsegen
 
-demo: install
-	$(BIN)/sparsegen stream --out results/stream
+demo: install  # a first look in minutes: 3 policies over 10k tokens (`make demo-long`: every policy, 20k)
+	$(BIN)/sparsegen stream --tokens 10000 --policies window,streaming,h2o --out results/stream
+
+demo-long: install
+	$(BIN)/sparsegen stream --out results/stream-long
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -93,3 +93,16 @@ def test_duo_attention_refuses_heads_of_another_model(tmp_path):
     cache = make_cache(model, "duo_attention", sinks=2, heavy=8, recent=4, heads=str(tmp_path / "heads.json"))
     with pytest.raises(SparsegenError, match="calibrated for another model"):
         _generate(model, torch.randint(3, 96, (1, 40)), cache, new=1)
+
+
+def test_calibrate_heads_command_writes_the_heads_a_policy_reads(monkeypatch, capsys, tiny_folder, tmp_path):
+    from tests.test_cli import run_cli
+
+    heads = tmp_path / "heads.json"
+    args = ["eval", "calibrate-heads", "--model", tiny_folder, "--samples", "1", "--length", "96", "--out", heads]
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, err
+    assert "3 layers x 2 KV heads" in out
+    assert make_policy("duo_attention", budget=16, heads=str(heads)).heads == str(heads)
+    code, _, err = run_cli(monkeypatch, capsys, "eval", "calibrate-heads", "--model", tiny_folder, "--length", "8")
+    assert code != 0 and "--length" in err and "Traceback" not in err

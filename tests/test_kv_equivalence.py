@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from sparsegen.decode import generate
 from sparsegen.kv import make_cache, stream
 from sparsegen.kv.attention import policy_attention
 from tests.conftest import build_tiny
@@ -63,12 +64,14 @@ def test_stream_logits_equal_dense_forward(arch, policy, chunk):
     torch.testing.assert_close(logits, dense, rtol=1e-4, atol=1e-4)
 
 
-def test_stream_generation_equals_generate():
+def test_stream_continued_by_generate_equals_generate():
     model = build_tiny("qwen2")
     ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(4))
     ref = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 11:]
-    steps = [s for s in stream(model, ids, "streaming", chunk=4, max_new_tokens=10, sinks=2, recent=100) if s.generated]
-    assert torch.cat([s.tokens[0] for s in steps]).tolist() == ref.tolist()
+    cache = make_cache(model, "streaming", sinks=2, recent=100)
+    assert len(list(stream(model, ids[:, :-1], chunk=4, cache=cache))) == 3
+    made = generate(model, [ids[0, -1:].tolist()], 10, "streaming", compile="never", held=[cache], sinks=2, recent=100)
+    assert made.tokens[0] == ref.tolist()
 
 
 def test_cache_reused_across_chat_turns_equals_dense():

@@ -40,7 +40,7 @@ def _generate_compiled(model, tmp_path):
 
 
 def _stream_left_early(model, tmp_path):
-    steps = stream(model, IDS, "tova", chunk=8, max_new_tokens=4, budget=12)
+    steps = stream(model, IDS, "tova", chunk=8, budget=12)
     next(steps)
     steps.close()  # a caller that stops reading: the scope still ends
 

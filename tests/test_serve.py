@@ -382,6 +382,8 @@ def test_soak_requests_get_their_answers_and_leave_no_row():
         health = httpx.get(f"{url}/health").json()
     by_kind = {o["kind"]: o for o in outcomes}
     assert by_kind["bad field"]["status"] == 400 and by_kind["too long"]["status"] == 400
+    assert by_kind["bad seed"]["status"] == 400 and by_kind["not utf-8"]["status"] == 400
+    assert by_kind["not utf-8"]["error"] and by_kind["abandoned prompt"]["status"] == 200
     assert by_kind["chat"]["status"] == 200 and by_kind["cancel"]["status"] == 200
     assert all(o["tokens"] >= 1 for o in outcomes if o["kind"] == "greedy")
     assert health["active"] == 0 and health["queued"] == 0

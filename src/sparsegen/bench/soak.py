@@ -1,8 +1,11 @@
 """`sparsegen bench soak`: a bounded soak of one `sparsegen serve` process.
 
 Many client threads send a fixed mix of requests (greedy, cancelled after a few tokens, malformed
-fields, too long for the model, chat); the server's RSS is read along the way and its rows left
-active or queued at the end. Greedy answers are checked against single-request generate().
+fields, a seed out of range, a body that is not UTF-8, too long for the model, a long prompt
+abandoned while it is read, chat); the server's RSS is read along the way and held to a bound
+(its RSS once the model is loaded and has answered, plus `--max-kv-mb`, plus `RSS_SLACK_MB`), and
+its rows left active or queued at the end. Greedy answers are checked against single-request
+generate(). No answer may be a 5xx.
 """
 
 from __future__ import annotations
@@ -19,7 +22,22 @@ from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import write_json
 from sparsegen.report import run_meta
 
-SOAK_KINDS = ("greedy", "greedy", "greedy", "greedy", "greedy", "cancel", "bad field", "too long", "chat", "greedy")
+SOAK_KINDS = (
+    "greedy",
+    "greedy",
+    "greedy",
+    "cancel",
+    "bad field",
+    "too long",
+    "chat",
+    "greedy",
+    "bad seed",
+    "not utf-8",
+    "abandoned prompt",
+    "greedy",
+)
+RSS_SLACK_MB = 512
+"""Allowed above the loaded model and its KV cap: allocator caches, request buffers, tokenizer work."""
 BAD_FIELDS = ({"temperature": 5}, {"kv_policy": "nope"}, {"max_tokens": -1}, {"top_p": 0}, {"kv_budget": -3})
 
 
@@ -35,16 +53,37 @@ def soak_request(client: httpx.Client, base: str, model: str, index: int, prompt
                 if seen >= 3:
                     break
         return {"kind": kind, "status": response.status_code}
+    if kind == "abandoned prompt":  # a long prompt; hang up before its first token
+        long = {**body, "prompt": prompt * (2000 // len(prompt) + 1), "stream": True}
+        with client.stream("POST", f"{base}/v1/completions", json=long, timeout=600) as response:
+            status = response.status_code
+        return {"kind": kind, "status": status}
+    if kind == "not utf-8":
+        raw = b'{"model": "' + model.encode() + b'", "prompt": "\xff\xfe", "max_tokens": 4}'
+        answer = client.post(f"{base}/v1/completions", content=raw, headers={"content-type": "application/json"})
+        return {"kind": kind, "status": answer.status_code, "error": answer.json().get("error", {}).get("message")}
     if kind == "chat":
         messages = [{"role": "user", "content": f"Say something about the number {index}."}]
         answer = client.post(f"{base}/v1/chat/completions", json={**body, "messages": messages}, timeout=600)
         return {"kind": kind, "status": answer.status_code}
     if kind == "too long":  # more than the model's positions under the unbounded policy
         body = {**body, "prompt": prompt * (9000 // len(prompt) + 1), "kv_policy": "full"}
+    elif kind == "bad seed":
+        body = {**body, "seed": 2**70}
     else:
         body = {**body, **BAD_FIELDS[index // len(SOAK_KINDS) % len(BAD_FIELDS)]}
     answer = client.post(f"{base}/v1/completions", json=body, timeout=600)
     return {"kind": kind, "status": answer.status_code, "error": answer.json().get("error", {}).get("message")}
+
+
+def count_statuses(outcomes: list[dict]) -> dict[str, dict[str, int]]:
+    """How many requests of each kind got each HTTP status ("-" where none was read)."""
+    statuses: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        key = str(o.get("status", "200" if o["kind"] == "greedy" else "-"))
+        statuses.setdefault(o["kind"], {}).setdefault(key, 0)
+        statuses[o["kind"]][key] += 1
+    return statuses
 
 
 def soak(
@@ -71,6 +110,9 @@ def soak(
     base = f"http://127.0.0.1:{port}"
     options = ["--max-kv-mb", str(max_kv_mb), "--max-tokens-limit", "4096", *(["--device", device] if device else [])]
     server = start_server(config, model_name, port, options)
+    with httpx.Client() as client:  # the model loaded and one answer given: the baseline
+        stream_completion(client, base, {"model": model_name, "prompt": prompts[0], "max_tokens": 4, "stream": True})
+    baseline = rss_mb(server.pid)
     outcomes: list[dict] = []
     rss: list[tuple[int, float]] = []
     lock = threading.Lock()
@@ -104,15 +146,17 @@ def soak(
     progress(f"single-request answers of {len(prompts)} prompts")
     references = single_request_answers(model, tokenizer, config, prompts, max_tokens, 512)
     equal = sum(o["text"] == references[o["index"] % len(prompts)] for o in greedy)
-    statuses: dict[str, dict[str, int]] = {}
-    for o in outcomes:
-        key = str(o.get("status", "200" if o["kind"] == "greedy" else "-"))
-        statuses.setdefault(o["kind"], {}).setdefault(key, 0)
-        statuses[o["kind"]][key] += 1
+    statuses = count_statuses(outcomes)
+    peak = max([value for _, value in rss] or [baseline])
     result = {
         "config": config.label,
         "requests": len(outcomes),
         "statuses": statuses,
+        "server_errors": sum(n for kinds in statuses.values() for code, n in kinds.items() if code >= "500"),
+        "rss_baseline_mb": round(baseline),
+        "rss_bound_mb": round(baseline + max_kv_mb + RSS_SLACK_MB),
+        "rss_peak_mb": round(peak),
+        "rss_within_bound": peak <= baseline + max_kv_mb + RSS_SLACK_MB,
         "greedy_equal": f"{equal}/{len(greedy)}",
         "rss_mb": rss,
         "left_active": health.get("active"),

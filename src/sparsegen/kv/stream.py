@@ -1,8 +1,6 @@
-"""A decoding loop over a policy cache: feed a text in chunks, then optionally generate.
-
-`generate()` works with a policy cache for ordinary generation; `stream()` is for what
-`generate()` does not do: feeding millions of tokens in chunks with the logits of every one
-(streaming perplexity). A chat continues its cache through `generate()`'s token loop instead.
+"""Reading text into a policy cache: `read` (a prompt, the last logits) and `stream` (a long
+text in chunks, with the logits of every token: streaming perplexity). Generating is
+`generate()`'s one token loop, which continues such a cache (`held=`), as chats and the server do.
 """
 
 from __future__ import annotations
@@ -16,16 +14,14 @@ from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
-from sparsegen.sampling import choose
 
 
 @dataclass
 class StreamStep:
-    """One forward step: the tokens fed [b, n], their logits [b, n, vocab], whether generated."""
+    """One forward step: the tokens fed [b, n] and their logits [b, n, vocab]."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
-    generated: bool
 
 
 @torch.inference_mode()
@@ -64,18 +60,13 @@ def stream(
     policy: str | Policy = "streaming",
     position: str | None = None,
     chunk: int = 1,
-    max_new_tokens: int = 0,
-    temperature: float = 0.0,
     cache: PolicyCache | None = None,
-    generator: torch.Generator | None = None,
     **budget: int | float,
 ) -> Iterator[StreamStep]:
-    """Feed `input_ids` [b, n] (or [n]) `chunk` tokens at a time, then generate `max_new_tokens`.
-
-    Yields a `StreamStep` per forward. Pass `cache` to continue an earlier stream (the next part
-    of a long text); otherwise one is made from `policy`, `position` and the budget keywords. Greedy when
-    `temperature` is 0, else sampling.
-    """
+    """Feed `input_ids` [b, n] (or [n]) `chunk` tokens at a time, yielding each forward's tokens
+    and logits. Pass `cache` to continue an earlier stream (the next part of a long text);
+    otherwise one is made from `policy`, `position` and the budget keywords. To generate after
+    the text, hand the cache to `sparsegen.generate(..., held=[cache])`: the one token loop."""
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if chunk < 1:
@@ -83,16 +74,7 @@ def stream(
     if cache is None:
         cache = make_cache(model, policy, position=position, **budget)
     device = next(model.parameters()).device
-    logits = None
     with policy_attention(model):  # held while the caller iterates; undone when the stream ends or is closed
         for start in range(0, input_ids.shape[1], chunk):
             tokens = input_ids[:, start : start + chunk].to(device)
-            logits = model(input_ids=tokens, cache=cache, use_cache=True).logits
-            yield StreamStep(tokens, logits, generated=False)
-        for _ in range(max_new_tokens):
-            if logits is None:
-                raise ValueError("generation needs at least one input token")
-            last = logits[:, -1].float()
-            token = choose(last, temperature, 1.0, [generator] * last.shape[0])[:, None]
-            logits = model(input_ids=token, cache=cache, use_cache=True).logits
-            yield StreamStep(token, logits, generated=True)
+            yield StreamStep(tokens, model(input_ids=tokens, cache=cache, use_cache=True).logits)

@@ -16,6 +16,7 @@ dropped conversation that comes back is rebuilt by reading its whole history und
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -60,8 +61,8 @@ class Job:
 
     `emit(event)` is called from the worker thread with the request's events (`serve.events`).
     `text` is the rendered prompt of a chat (for conversation reuse); completions leave it None
-    and always start a fresh cache. `policy` and `budget` override the engine's KV policy for
-    this request.
+    and always start a fresh cache. `kv_policy` is the request's KV policy (the engine's default
+    when None).
     """
 
     prompt_ids: list[int]
@@ -74,11 +75,9 @@ class Job:
     seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
-    policy: str | None = None
-    budget: dict | None = None
+    kv_policy: Policy | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker state
-    kv_policy: Policy | None = None
     kv_need: int = 0
     rule: StopRule | None = None
     cache: PolicyCache | None = None
@@ -142,7 +141,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue `job`; raises `QueueFull` when `max_queue` requests already wait for memory, and
         `SparsegenError` when its KV could never fit."""
-        job.kv_policy = self.kv_policy(job.policy, job.budget)
+        job.kv_policy = job.kv_policy or self.kv_policy(None, None)
         job.kv_need = self._kv_need(job)
         answer_text = partial(self.tokenizer.decode, skip_special_tokens=True)
         job.rule = StopRule(job.max_tokens, self.stop_ids, tuple(job.stop), answer_text)
@@ -303,8 +302,10 @@ class Engine:
 
     @staticmethod
     def _lane_key(policy: Policy) -> tuple:
-        """Rows batch together when they share the policy and its sinks (per-row budgets differ)."""
-        return (policy.name, getattr(policy, "sinks", None))
+        """Rows batch together when they share the policy and every setting but the heavy and
+        recent counts (per-row budgets differ; the sinks fix the slots' layout)."""
+        settings = (f for f in dataclasses.fields(policy) if f.name not in ("heavy", "recent"))
+        return (policy.name, *((f.name, getattr(policy, f.name)) for f in settings))
 
     # -- decode, one step for every row of a lane ------------------------------------------------
     def _decode(self, key: tuple, lane: Lane) -> None:

@@ -50,15 +50,12 @@ class Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def job_options(self, engine: Engine) -> dict:
-        """Sampling (the model's generation config where the request says nothing) and the KV policy."""
-        budget = None if self.kv_budget is None else {"budget": self.kv_budget}
+        """Sampling: the model's generation config where the request says nothing."""
         return {
             "temperature": engine.sampling["temperature"] if self.temperature is None else self.temperature,
             "top_p": engine.sampling["top_p"] if self.top_p is None else self.top_p,
             "stop": self.stops(),
             "seed": self.seed,
-            "policy": self.kv_policy,
-            "budget": budget,
         }
 
 

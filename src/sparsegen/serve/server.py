@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.policy import Policy
 from sparsegen.serve.batching import Engine, Job, QueueFull
 from sparsegen.serve.events import Done, Event, Failed
 from sparsegen.serve.schemas import ApiError, Sampling
@@ -25,9 +26,10 @@ class Server:
     def answered(self, request: Request, status: str = "200") -> None:
         self.engine.metrics.requests.labels(request.url.path, status).inc()
 
-    def check(self, body: Sampling, max_tokens: int, prompt_tokens: int, minimum: int) -> None:
+    def check(self, body: Sampling, max_tokens: int, prompt_tokens: int, minimum: int) -> Policy:
         """Refuse, as an API error, what this server cannot answer: another model, n > 1, a
-        max_tokens out of range, an unknown KV policy, more than the positions `full` can hold."""
+        max_tokens out of range, an unknown KV policy, more than the positions `full` can hold.
+        Returns the request's KV policy (built once, here)."""
         if body.model != self.model_id:
             raise ApiError(
                 404,
@@ -47,7 +49,7 @@ class Server:
         except SparsegenError as exc:
             raise ApiError(400, str(exc), "kv_budget" if body.kv_budget is not None else "kv_policy") from None
         if policy.budget_parts() or self.context_limit is None:
-            return
+            return policy
         if prompt_tokens + max_tokens > self.context_limit:
             raise ApiError(
                 400,
@@ -57,6 +59,7 @@ class Server:
                 "messages",
                 "context_length_exceeded",
             )
+        return policy
 
     def submit(self, job: Job) -> asyncio.Queue:
         """Hand `job` to the engine; its events arrive on the returned queue. Refusals are API errors."""
