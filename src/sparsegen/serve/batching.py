@@ -7,11 +7,8 @@ by one `Decoder`, one step for all of them per iteration. Rows join after their 
 when done (stop token, stop string, `max_tokens`, a client gone) between steps; a long prompt
 delays other rows' tokens by at most one chunk.
 
-Conversations: the API is stateless, so after a chat answer the worker keeps the row's cache
-(handed back from the batch) with the exact text it has read. A later request whose rendered
-prompt starts with that text continues the cache and reads only the new part. Held caches count
-against the KV memory and are dropped least recently used when a request needs the room; a
-dropped conversation that comes back is rebuilt by reading its whole history under the policy.
+Chat answers leave their cache held between requests (`serve.conversations`), counted against
+the same KV memory.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,23 +33,13 @@ from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.stream import read
 from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import StopRule, choose, stop_tokens
+from sparsegen.serve.conversations import Conversation, ConversationStore
 from sparsegen.serve.events import Done, Event, Failed, PromptLogprobs, Token, prompt_entries, token_entry
 from sparsegen.serve.metrics import Metrics
 
 
 class QueueFull(Exception):
     """Too many requests wait for KV memory; the client should retry later."""
-
-
-@dataclass
-class Conversation:
-    """A policy cache and the text it has read (a follow-up must start with it); `unfed` is the
-    answer's last token, sampled but not yet read into the cache."""
-
-    cache: PolicyCache
-    text: str = ""
-    unfed: list[int] = field(default_factory=list)
-    nbytes: int = 0
 
 
 @dataclass
@@ -89,6 +76,16 @@ class Job:
     cached_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
+    def take_token(self, token: int, entry: dict | None) -> str | None:
+        """Record one sampled token and send the text not sent yet that the stop rule lets show;
+        the finish reason once the answer is done."""
+        self.generated.append(token)
+        verdict = self.rule.judge(self.generated)
+        if len(verdict.text) > len(self.shown) or entry is not None:
+            self.emit(Token(verdict.text[len(self.shown) :], entry))
+            self.shown = max(verdict.text, self.shown, key=len)
+        return verdict.reason
+
 
 @dataclass
 class Lane:
@@ -120,7 +117,7 @@ class Engine:
         self.sampling = sampling_defaults(model)
         self.stop_ids = frozenset(stop_tokens(model, tokenizer))
         self.bytes_per_token = kv_bytes_per_token(model)
-        self.conversations: OrderedDict[int, Conversation] = OrderedDict()
+        self.conversations = ConversationStore()
         self.incoming: queue.Queue[Job] = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.prefilling: deque[Job] = deque()
@@ -164,7 +161,7 @@ class Engine:
         """KV bytes counted against the cap: admitted rows (at their full need) and held conversations."""
         with self._lock:
             rows = [job for lane in self.lanes.values() for job in lane.jobs] + list(self.prefilling)
-            return sum(job.kv_need for job in rows) + sum(c.nbytes for c in self.conversations.values())
+            return sum(job.kv_need for job in rows) + self.conversations.nbytes
 
     def stats(self) -> dict:
         with self._lock:
@@ -229,7 +226,7 @@ class Engine:
                 continue
             while self.held_kv_bytes() + job.kv_need > self.max_kv_bytes and self.conversations:
                 with self._lock:
-                    self.conversations.popitem(last=False)
+                    self.conversations.drop_oldest()
             if self.held_kv_bytes() + job.kv_need > self.max_kv_bytes:
                 return
             with self._lock:
@@ -238,25 +235,15 @@ class Engine:
             self.metrics.admitted.labels(job.kv_policy.name).inc()
             self._guarded(job, self._begin)
 
-    def _matching_conversation(self, job: Job) -> Conversation | None:
-        if job.text is None:
-            return None
-        with self._lock:
-            matches = [
-                c
-                for c in self.conversations.values()
-                if c.text and len(job.text) > len(c.text) and job.text.startswith(c.text)
-            ]
-        return max(matches, key=lambda c: len(c.text), default=None)
-
     def _begin(self, job: Job) -> None:
         """Claim the held conversation this chat continues (reading only the new ids), or a new cache."""
         if job.seed is not None:
             job.generator = torch.Generator().manual_seed(job.seed)  # CPU: the sampler draws there
-        held = self._matching_conversation(job)
+        with self._lock:
+            held = None if job.text is None else self.conversations.continued_by(job.text)
         if held is not None and self._lane_key(job.kv_policy) == self._lane_key(held.cache.policy):
             with self._lock:
-                del self.conversations[id(held)]
+                self.conversations.take(held)
             new_ids = self.tokenizer(job.text[len(held.text) :], add_special_tokens=False)["input_ids"]
             job.cache, job.to_read = held.cache, held.unfed + new_ids
             job.cached_tokens = max(0, len(job.prompt_ids) - len(job.to_read))
@@ -349,16 +336,7 @@ class Engine:
         entry = token_entry(logits.log_softmax(-1), token, job.logprobs or 0) if job.logprobs is not None else None
         if not job.generated:
             self.metrics.ttft.observe(time.perf_counter() - job.started)
-        job.generated.append(token)
-        verdict = job.rule.judge(job.generated)
-        self._emit_text(job, verdict.text, entry)
-        return verdict.reason
-
-    def _emit_text(self, job: Job, text: str, entry: dict | None) -> None:
-        """Send the part of `text` (what the stop rule lets show) not sent yet."""
-        if len(text) > len(job.shown) or entry is not None:
-            job.emit(Token(text[len(job.shown) :], entry))
-            job.shown = max(text, job.shown, key=len)
+        return job.take_token(token, entry)
 
     def _complete(self, job: Job, reason: str, cache: PolicyCache | None) -> None:
         """Finish `job` (under the lock); keep its conversation's `cache` for reuse."""
@@ -368,7 +346,7 @@ class Engine:
             conversation = Conversation(
                 cache, job.text + self.tokenizer.decode(job.generated), job.generated[-1:], cache.kv_bytes()
             )
-            self.conversations[id(conversation)] = conversation
+            self.conversations.keep(conversation)
         usage = {
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": len(job.generated),
