@@ -13,6 +13,7 @@ from sparsegen.eval.needle import needle_job
 from sparsegen.eval.stream_ppl import PolicyRun, stream_compare
 from sparsegen.kv import make_cache, make_policy, stream
 from sparsegen.kv.chat import StreamingChat
+from sparsegen.kv.duo_attention import calibrate_heads
 from sparsegen.kv.shared import SharedPrefill
 from sparsegen.prompt.prompted import PromptedModel
 from sparsegen.prompt.soft import SoftPrompt
@@ -89,6 +90,10 @@ def _make_cache(model, tmp_path):
     make_cache(model, "pyramidkv", budget=10)
 
 
+def _calibrate_heads(model, tmp_path):
+    calibrate_heads(model, _tokenizer(), samples=1, length=96)
+
+
 ENTRY_POINTS = [
     _generate,
     pytest.param(_generate_compiled, marks=pytest.mark.slow),  # a compile: the whole suite, not the fast tier
@@ -101,6 +106,7 @@ ENTRY_POINTS = [
     _soft_prompt,
     _server,
     _make_cache,
+    _calibrate_heads,
 ]
 
 

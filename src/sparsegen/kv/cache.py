@@ -348,6 +348,7 @@ class PolicyLayer(CacheLayerMixin):
             self._keep(keep, budget + room_for(budget) if self.compressed else budget + 1)
 
     def held_slots(self) -> dict[str, torch.Tensor]:
+        """The held part of the per-slot buffers, by name."""
         return {name: getattr(self, name)[:, :, : self.size] for name in ("keys", "values", "positions", "scores")}
 
     def hold_packed(self, packed: dict[str, torch.Tensor]) -> None:

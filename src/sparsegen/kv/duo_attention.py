@@ -122,8 +122,8 @@ def calibrate_heads(model, tokenizer, samples: int = 4, length: int = 1024, seed
                 received = attention_received(call.query[:, :, -answer:], call.keys, call.scaling)
                 share = received[0, :, needle.start : needle.stop].sum(-1) / received[0].sum(-1)
                 rows.append(share)
-            heads = next(row for row in rows if row is not None).shape[0]
-            scores = torch.stack([row if row is not None else torch.zeros(heads) for row in rows])
+            some = next(row for row in rows if row is not None)
+            scores = torch.stack([row if row is not None else torch.zeros_like(some) for row in rows]).cpu()
             total = scores if total is None else total + scores
     return total / samples
 
