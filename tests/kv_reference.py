@@ -215,6 +215,11 @@ TABLE: dict[str, Row] = {
             alpha=0.0,
         ),
     ),
+    "kvzip": Row(  # scored by the model re-reading the prompt: its reference is tests/test_kv_kvzip.py
+        {"sinks": 1, "heavy": 4},
+        {"sinks": 4, "heavy": 500},
+        lambda s, h, r: {"sinks": s, "heavy": h + r},
+    ),
     "knorm": Row(
         {"heavy": 5},
         {"heavy": 500},
@@ -223,6 +228,27 @@ TABLE: dict[str, Row] = {
     ),
 }
 EVICTING = [name for name, row in TABLE.items() if row.ref is not None]
+
+
+def generate_drop_in(model, ids: torch.Tensor, cache, new: int) -> list[int]:
+    """transformers' generate() over a policy cache, greedy, one row: the eager engine the fast path
+    must equal. A policy that scores the prompt by re-reading it (KVzip) is handed the prompt by
+    `read` (as its docs say), then generate() continues the cache from the first new token."""
+    from sparsegen.kv.attention import policy_attention
+    from sparsegen.kv.stream import read
+
+    start = ids.shape[1]
+    with policy_attention(model), torch.inference_mode():  # read's tensors are inference tensors
+        if cache.policy.reconstructs:
+            ids = torch.cat([ids, read(model, ids, cache).argmax(-1, keepdim=True)], 1)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=new - (ids.shape[1] - start),
+            do_sample=False,
+        )
+    return out[0, start:].tolist()
 
 
 class ReferenceCache:

@@ -8,17 +8,14 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from tests.conftest import build_tiny
-from tests.kv_reference import TABLE
+from tests.kv_reference import TABLE, generate_drop_in
 
 SMALL = {name: row.small for name, row in TABLE.items()}
 
 
 def _reference(model, ids, policy, budget, new, position=None):
     """transformers' generate() over the policy cache: the eager engine the fast path must equal."""
-    cache = make_cache(model, policy, position=position, **budget)
-    with policy_attention(model):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
+    return generate_drop_in(model, ids, make_cache(model, policy, position=position, **budget), new)
 
 
 def _prompt(length: int, seed: int = 1) -> torch.Tensor:

@@ -91,6 +91,10 @@ def test_cached_prompt_generation_equals_recomputing_it_and_is_never_evicted(pol
     tight = PromptedModel(model, prompt, policy, budget=8)
     cache = tight.cache()
     placeholder = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+    if POLICIES[policy].reconstructs:  # it re-reads token ids, and a soft prompt has none: a clear error
+        with pytest.raises(SparsegenError, match="scores the prompt by re-reading it"), policy_attention(model):
+            model.generate(placeholder, cache=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        return
     with policy_attention(model):
         model.generate(placeholder, cache=cache, max_new_tokens=16, do_sample=False, pad_token_id=0)
     for layer in cache.policy_layers():

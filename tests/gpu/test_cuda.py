@@ -9,14 +9,13 @@ import sparsegen
 from sparsegen.contextual import sparsify
 from sparsegen.decode import generate
 from sparsegen.kv import make_cache
-from sparsegen.kv.attention import policy_attention
 from sparsegen.prune import prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.quant import quantize
 from sparsegen.quant.checkpoint import save_quantized
 from sparsegen.quant.packed import Int4Linear, Int8Linear, PackedLinear, pack_linear
 from tests.conftest import build_tiny, tiny_tokenizer
-from tests.kv_reference import TABLE
+from tests.kv_reference import TABLE, generate_drop_in
 
 CUDA = torch.device("cuda")
 
@@ -26,10 +25,7 @@ def _prompt(length: int = 21, seed: int = 1) -> torch.Tensor:
 
 
 def _reference(model, ids, policy, budget, new):
-    cache = make_cache(model, policy, **budget)
-    with policy_attention(model):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
+    return generate_drop_in(model, ids, make_cache(model, policy, **budget), new)
 
 
 @pytest.mark.parametrize("compile", ["never", "always"])

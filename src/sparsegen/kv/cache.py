@@ -297,13 +297,20 @@ class PolicyLayer(CacheLayerMixin):
         self.size = size + n
 
     def after_attention(
-        self, query: torch.Tensor, keys: torch.Tensor, scaling: float, weights=None, received: dict | None = None
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        scaling: float,
+        weights=None,
+        received: dict | None = None,
+        reconstruction: torch.Tensor | None = None,
     ) -> None:
         """Let the policy update its scores from this attention call, then evict down to the budget.
 
         A prefill-only policy compresses once, after the first call, and keeps every later token.
         `received` shares `Step.received`'s results between policies replaying one recorded call
-        (`kv.shared`); it must belong to these very queries and keys.
+        (`kv.shared`); it must belong to these very queries and keys. `reconstruction` is
+        `Step.reconstruction`, for a replayed prompt.
         """
         self.awaiting_attention = False
         if self.compressed:
@@ -322,6 +329,7 @@ class PolicyLayer(CacheLayerMixin):
             weights=weights,
             rope=self.rope,
             layer=self.layer_idx or 0,
+            reconstruction=reconstruction,
             _received={} if received is None else received,
         )
         scores = self.policy.score(step)

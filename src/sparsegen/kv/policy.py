@@ -54,7 +54,8 @@ class Step:
     returned them, [b, hq, new, n]. `seen` counts every token so far (per row, [b, 1, 1], on the
     fast path), `new` this call's. `rope` rotates by the model's RoPE frequencies (given by the
     drop-in cache, for policies that reason about queries at other positions); `layer` is the
-    attention layer's index.
+    attention layer's index. `reconstruction` [b, h, n], for a policy that `reconstructs`, is the
+    most attention each held token received while the model re-read the prompt (`kv.kvzip`).
     """
 
     positions: torch.Tensor
@@ -69,6 +70,7 @@ class Step:
     weights: torch.Tensor | None = None
     rope: KeyRotation | None = None
     layer: int = 0
+    reconstruction: torch.Tensor | None = None
     _received: dict = field(default_factory=dict, repr=False)
 
     def received(self, last: int | None = None) -> torch.Tensor:
@@ -91,8 +93,11 @@ class Step:
         return self.positions >= self.seen - self.sizes.recent
 
 
-def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 24):
-    """Attention probability each key received, summed over new queries and each GQA group.
+def attention_received(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 24, peak: bool = False
+):
+    """Attention probability each key received, summed over new queries and each GQA group (with
+    `peak`, the largest any of them gave it).
 
     query [b, hq, q, d] are the newest q tokens, key [b, hkv, s, d] the held keys followed by
     those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
@@ -113,7 +118,8 @@ def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float, m
         if q > 1:
             last_visible = (s - q + torch.arange(start, stop, device=query.device)).repeat(group)
             logits.masked_fill_(key_index > last_visible[:, None], float("-inf"))
-        total += logits.softmax(-1).sum(dim=2)
+        probabilities = logits.softmax(-1)
+        total = torch.maximum(total, probabilities.amax(dim=2)) if peak else total + probabilities.sum(dim=2)
     return total
 
 
@@ -144,8 +150,9 @@ class Policy(ABC):
     `contiguous` (the kept set is always the sinks plus a run of the newest tokens, which lets
     rolling positions rotate only the sinks), `prefill_only` (compress once, after the prompt is
     read, then keep every new token), `head_adaptive` (a prefill-only policy whose layer keeps its
-    heads' budgets as one pool, the highest priorities of the whole layer: `kv.ragged`). Budget
-    parts are the fields named sinks, heavy, recent.
+    heads' budgets as one pool, the highest priorities of the whole layer: `kv.ragged`),
+    `reconstructs` (scores with `Step.reconstruction`, which `kv.stream.read` computes by letting
+    the model re-read the prompt). Budget parts are the fields named sinks, heavy, recent.
     """
 
     name: ClassVar[str]
@@ -153,6 +160,7 @@ class Policy(ABC):
     contiguous: ClassVar[bool] = False
     prefill_only: ClassVar[bool] = False
     head_adaptive: ClassVar[bool] = False
+    reconstructs: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for part in self.budget_parts():

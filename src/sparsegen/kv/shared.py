@@ -18,6 +18,7 @@ import torch
 
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
+from sparsegen.kv.kvzip import reconstruct
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
 from sparsegen.kv.stream import read
@@ -46,27 +47,44 @@ class RecordingLayer(PolicyLayer):
 
 
 class SharedPrefill:
-    """The context `ids` read once; `cache_for(policy)` is that policy's cache after reading it.
+    """The context `ids` (one row's list, or rows [b, n]) read once; `cache_for(policy)` is that
+    policy's cache after reading it.
 
-    `logits` are the last context token's next-token logits.
+    `logits` are the last context token's next-token logits ([vocab], or [b, vocab]). The model's
+    re-reading of the context (`kv.kvzip`) is run once for every policy that asks for it.
     """
 
     @torch.inference_mode()
-    def __init__(self, model: torch.nn.Module, ids: list[int]) -> None:
+    def __init__(self, model: torch.nn.Module, ids: list[int] | torch.Tensor) -> None:
         self.model = model
-        self.length = len(ids)
+        device = next(model.parameters()).device
+        self.rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=device)
+        self.length = self.rows.shape[1]
         self.record = make_cache(model, "full", layer_class=RecordingLayer)
         self.logits = read(model, ids, self.record)
+        self._reconstructions: dict[tuple, list] = {}
 
     @torch.inference_mode()
     def cache_for(self, policy: Policy, position: str | None = None) -> PolicyCache:
         """A new cache, as `read(model, ids, make_cache(model, policy, position))` leaves it."""
         cache = make_cache(self.model, policy.resolved(self.length), position=position)
-        for layer, source in zip(cache.layers, self.record.layers, strict=True):
+        self.replay_into(cache)
+        return cache
+
+    @torch.inference_mode()
+    def replay_into(self, cache: PolicyCache) -> None:
+        """Let the fresh `cache` hold what reading the context into it would."""
+        peaks = self._reconstruction(cache.policy) if cache.policy.reconstructs else [None] * len(cache.layers)
+        for layer, source, peak in zip(cache.layers, self.record.layers, peaks, strict=True):
             if isinstance(layer, PolicyLayer):
                 call = source.recorded
                 keys, _ = layer.update(call.keys, call.values)
-                layer.after_attention(call.query, keys, call.scaling, call.weights, call.received)
+                layer.after_attention(call.query, keys, call.scaling, call.weights, call.received, peak)
             else:  # a sliding-window layer (Gemma 3) keeps its own window (replaced, never written in place)
                 _load_layer_state(layer, _layer_state(source))
-        return cache
+
+    def _reconstruction(self, policy: Policy) -> list[torch.Tensor | None]:
+        probes = tuple(policy.probes(self.length))
+        if probes not in self._reconstructions:
+            self._reconstructions[probes] = reconstruct(self.model, self.record, self.rows, probes)
+        return self._reconstructions[probes]

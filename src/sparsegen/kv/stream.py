@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
@@ -35,9 +36,12 @@ def read(
     """Read token `ids` (one row's list, or rows [b, n]) into `cache`, `chunk` tokens per forward
     (default: one forward), so the policy evicts between chunks. Returns the logits of every id
     ([n, vocab], or [b, n, vocab]) with `all_logits`, else of the last one ([vocab], or [b, vocab];
-    None for no ids); only what is returned is computed, so long prompts stay cheap."""
+    None for no ids); only what is returned is computed, so long prompts stay cheap. A fresh
+    cache whose policy re-reads the prompt to score it (`kv.kvzip`) reads it in one forward."""
     device = next(model.parameters()).device
     rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
+    if cache.policy.reconstructs and cache.get_seq_length() == 0 and rows.shape[1]:
+        return _read_reconstructing(model, ids, cache, all_logits)
     step = chunk or max(rows.shape[1], 1)
     kept = []
     with policy_attention(model):
@@ -51,6 +55,21 @@ def read(
         return None
     out = torch.cat(kept, 1) if all_logits else kept[-1]
     return out if isinstance(ids, torch.Tensor) else out[0]
+
+
+def _read_reconstructing(model, ids, cache: PolicyCache, all_logits: bool):
+    """A policy that scores the prompt by the model re-reading it (`kv.kvzip`): the prompt is read
+    in one forward under the full cache, re-read, then replayed into `cache` (`kv.shared`)."""
+    from sparsegen.kv.shared import SharedPrefill
+
+    if all_logits:
+        raise SparsegenError(
+            f"{cache.policy.name} re-reads the prompt to score it and gives only the last token's logits: "
+            "drop the prompt's logprobs (echo) or choose another policy"
+        )
+    shared = SharedPrefill(model, ids)
+    shared.replay_into(cache)
+    return shared.logits
 
 
 @torch.inference_mode()

@@ -1,0 +1,101 @@
+"""KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction"): a context token matters if the model needs it to reproduce the context. Once the
+prompt is read, the model re-reads it after itself (teacher-forced, in chunks, the cache left
+whole), and each held token scores the most attention any query of its group paid it while its
+chunk was re-read. The layer keeps the highest scores of all its heads together (a head-adaptive
+pool, held in exactly the budget's bytes), the first `sinks` tokens always. Decoding then keeps
+every new token. The score does not depend on any question, so one compressed context answers many.
+
+The re-reading costs one more pass over the context (2-3x the prefill). `kv.stream.read` runs it
+for a fresh cache whose policy `reconstructs`; `kv.shared.SharedPrefill` runs it once per context
+for every budget. Choices beside kvpress's press: the chunks are re-read without an instruction
+text ("Repeat the previous context exactly."), so no tokenizer is needed and base models work too;
+the attention is the model's own (softmax over the whole cache), where kvpress renormalises it over
+the sinks, the chunk and its copy; the pool is per layer (kvpress's `layerwise=True` budget split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsegen.errors import SparsegenError
+from sparsegen.kv.policy import KEEP, Policy, attention_received, register_policy
+
+
+@register_policy
+@dataclass
+class KVzipPolicy(Policy):
+    """Keep the context tokens the model attends to most while reproducing the context (KVzip)."""
+
+    name = "kvzip"
+    prefill_only = True
+    head_adaptive = True
+    reconstructs = True
+
+    sinks: int = 4
+    """First tokens every head keeps."""
+    heavy: int | float = 256
+    """Context tokens per head, on average over the layer, kept by score: a count or a share."""
+    chunk: int = 2048
+    """Context tokens re-read per forward (bounds the re-reading's attention memory)."""
+    cue: int = 8
+    """Tokens of the previous chunk re-read before each later chunk, so its copy starts in place."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chunk < 1 or self.cue < 0:
+            raise SparsegenError(f"kvzip needs chunk >= 1 and cue >= 0, got chunk={self.chunk}, cue={self.cue}")
+
+    def probes(self, length: int) -> list[tuple[int, int, int]]:
+        """How a `length`-token context is re-read: (first token read, first scored, end) per chunk."""
+        return [
+            (max(0, start - self.cue), start, min(length, start + self.chunk)) for start in range(0, length, self.chunk)
+        ]
+
+    def score(self, step):
+        if step.reconstruction is not None:
+            return step.reconstruction
+        if step.sizes is None or step.positions.shape[-1] <= step.sizes.budget:
+            return None  # nothing to choose
+        raise SparsegenError(
+            "kvzip scores the prompt by re-reading it: read the prompt with sparsegen.kv.read(model, ids, cache) "
+            "into a fresh cache (sparsegen.generate and the server do), not through model.generate"
+        )
+
+    def priority(self, step):
+        return step.scores.masked_fill(step.is_sink(), KEEP)
+
+
+@torch.inference_mode()
+def reconstruct(model, record, rows: torch.Tensor, probes) -> list[torch.Tensor | None]:
+    """Per layer of `record` (a `full` cache of `kv.shared` that has just read `rows` [b, n]): the
+    most attention each context token received, over its group's queries, while the model re-read
+    its chunk after the context ([b, h, n] float32; None for a layer without a policy). `record`
+    holds the context alone again afterwards, its recorded calls those of the context."""
+    from sparsegen.kv.attention import policy_attention
+    from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
+
+    layers = record.layers
+    calls = [getattr(layer, "recorded", None) for layer in layers]
+    saved = [_layer_state(layer) for layer in layers]
+    b, n = rows.shape
+    peaks = [
+        None if call is None else call.keys.new_zeros(b, call.keys.shape[1], n, dtype=torch.float32) for call in calls
+    ]
+    with policy_attention(model):
+        for first, start, stop in probes:
+            model(input_ids=rows[:, first:stop], cache=record, use_cache=True, logits_to_keep=1)
+            for layer, peak in zip(layers, peaks, strict=True):
+                if peak is not None:
+                    call = layer.recorded
+                    peak[..., start:stop] = attention_received(call.query, call.keys, call.scaling, peak=True)[
+                        ..., start:stop
+                    ]
+            for layer, state in zip(layers, saved, strict=True):
+                _load_layer_state(layer, state)
+    for layer, call in zip(layers, calls, strict=True):
+        if call is not None:
+            layer.recorded = call
+    return peaks

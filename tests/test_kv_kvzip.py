@@ -1,0 +1,114 @@
+"""KVzip: kept sets equal a brute-force reference built from transformers' own attention weights
+over the context followed by its re-read chunk; the fast path, the drop-in cache and one prefill for
+many budgets agree; what it cannot do is a one-line error."""
+
+import pytest
+import torch
+
+from sparsegen.decode import generate
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import make_cache, make_policy, policy_attention
+from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv.stream import read
+from tests.conftest import ARCHS, build_tiny
+from tests.kv_reference import generate_drop_in
+
+
+def _reference_kept(model, ids: list[int], sinks: int, heavy: int, chunk: int, cue: int) -> dict[int, list[list[int]]]:
+    """Per full-attention layer, the positions each KV head keeps: every chunk re-read after the
+    context in one dense eager forward; a token scores the most attention any query of its group
+    gave it while its chunk was re-read; the layer keeps its heads' best `sinks + heavy` per head
+    together, the first `sinks` always."""
+    config = model.config.get_text_config(decoder=True)
+    n, group = len(ids), config.num_attention_heads // config.num_key_value_heads
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    scores = {i: torch.zeros(config.num_key_value_heads, n, dtype=torch.float64) for i, t in enumerate(types)}
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        text = ids + ids[max(0, start - cue) : stop]
+        with torch.inference_mode():
+            weights = model(torch.tensor([text]), output_attentions=True).attentions
+        for layer in scores:
+            seen = weights[layer][0, :, n:, start:stop].double()  # [hq, re-read queries, chunk keys]
+            grouped = seen.reshape(config.num_key_value_heads, group * seen.shape[1], stop - start)
+            scores[layer][:, start:stop] = grouped.amax(1)
+    kept = {}
+    for layer, score in scores.items():
+        if types[layer] != "full_attention":
+            continue
+        ranked = sorted(
+            ((float("inf") if pos < sinks else float(score[h, pos]), h, pos) for h in range(len(score)) for pos in range(n)),
+            reverse=True,
+        )[: (sinks + heavy) * len(score)]
+        kept[layer] = [sorted(pos for _, head, pos in ranked if head == h) for h in range(len(score))]
+    return kept
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kept_sets_equal_the_brute_force_reconstruction(arch):
+    model = build_tiny(arch, "eager")
+    ids = torch.randint(3, 96, (37,), generator=torch.Generator().manual_seed(7)).tolist()
+    for chunk, cue in ((64, 8), (16, 3)):  # one re-read, and three chunks with cues
+        cache = make_cache(model, "kvzip", sinks=2, heavy=9, chunk=chunk, cue=cue)
+        read(model, ids, cache)
+        expected = _reference_kept(model, ids, 2, 9, chunk, cue)
+        for layer in cache.policy_layers():
+            assert layer.kept_positions()[0] == expected[layer.layer_idx], (arch, chunk, layer.layer_idx)
+            assert sum(map(len, layer.kept_positions()[0])) == 11 * layer.kv_heads
+
+
+def test_the_fast_path_equals_the_drop_in_cache_after_read_and_rows_equal_single_runs():
+    model = build_tiny("qwen2")
+    prompts = [torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    policy = make_policy("kvzip", budget=10, chunk=12)
+    batch = generate(model, prompts, 16, policy, compile="never", eos_token_id=[]).tokens
+    for row, prompt in enumerate(prompts):
+        single = generate(model, [prompt], 16, policy, compile="never", eos_token_id=[]).tokens[0]
+        drop_in = generate_drop_in(model, torch.tensor([prompt]), make_cache(model, policy), 16)
+        assert batch[row] == single == drop_in
+
+
+def test_one_prefill_reconstructs_once_for_every_budget(monkeypatch):
+    import sparsegen.kv.shared as shared_module
+
+    calls = []
+    real = shared_module.reconstruct
+    monkeypatch.setattr(shared_module, "reconstruct", lambda *a: calls.append(1) or real(*a))
+    model = build_tiny("mistral")
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    shared = SharedPrefill(model, ids)
+    for budget in (8, 16, 24):
+        replayed = shared.cache_for(make_policy("kvzip", budget=budget))
+        alone = make_cache(model, make_policy("kvzip", budget=budget))
+        read(model, ids, alone)
+        for mine, theirs in zip(replayed.policy_layers(), alone.policy_layers(), strict=True):
+            assert mine.kept_positions() == theirs.kept_positions()
+            assert torch.equal(mine.keys[:, :, : mine.size], theirs.keys[:, :, : theirs.size])
+    assert len(calls) == 1 + 3  # the shared context once, each separate read once
+
+
+def test_the_cache_holds_its_budgets_bytes():
+    model = build_tiny("llama")
+    ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(5))
+    cache = make_cache(model, "kvzip", budget=20)
+    generate_drop_in(model, ids, cache, 6)
+    layers = cache.policy_layers()
+    per_slot = 2 * layers[0].keys.shape[-1] * 4
+    budget_bytes = (20 + 5) * layers[0].kv_heads * len(layers) * per_slot  # 5 tokens fed after the prompt
+    assert cache.kv_bytes() == budget_bytes
+    allocated = sum(layer.keys.numel() + layer.values.numel() for layer in layers) * 4
+    assert allocated <= 1.1 * budget_bytes
+
+
+def test_what_kvzip_cannot_do_is_a_one_line_error():
+    model = build_tiny("llama")
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(6))
+    with pytest.raises(SparsegenError, match=r"re-reading it: read the prompt with sparsegen\.kv\.read"):
+        with policy_attention(model):
+            model.generate(ids, cache=make_cache(model, "kvzip", budget=8), max_new_tokens=2, do_sample=False)
+    with pytest.raises(SparsegenError, match="drop the prompt's logprobs"):
+        read(model, ids, make_cache(model, "kvzip", budget=8), all_logits=True)
+    with pytest.raises(SparsegenError, match="chunk >= 1"):
+        make_policy("kvzip", chunk=0)
+    roomy = make_cache(model, "kvzip", budget=64)  # nothing to evict: model.generate needs no re-reading
+    assert len(generate_drop_in(model, ids, roomy, 4)) == 4
