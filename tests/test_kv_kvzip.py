@@ -36,10 +36,9 @@ def _reference_kept(model, ids: list[int], sinks: int, heavy: int, chunk: int, c
     for layer, score in scores.items():
         if types[layer] != "full_attention":
             continue
-        ranked = sorted(
-            ((float("inf") if pos < sinks else float(score[h, pos]), h, pos) for h in range(len(score)) for pos in range(n)),
-            reverse=True,
-        )[: (sinks + heavy) * len(score)]
+        slots = [(h, pos) for h in range(len(score)) for pos in range(n)]
+        ranked = sorted(((float("inf") if p < sinks else float(score[h, p]), h, p) for h, p in slots), reverse=True)
+        ranked = ranked[: (sinks + heavy) * len(score)]
         kept[layer] = [sorted(pos for _, head, pos in ranked if head == h) for h in range(len(score))]
     return kept
 
@@ -103,9 +102,9 @@ def test_the_cache_holds_its_budgets_bytes():
 def test_what_kvzip_cannot_do_is_a_one_line_error():
     model = build_tiny("llama")
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(6))
-    with pytest.raises(SparsegenError, match=r"re-reading it: read the prompt with sparsegen\.kv\.read"):
-        with policy_attention(model):
-            model.generate(ids, cache=make_cache(model, "kvzip", budget=8), max_new_tokens=2, do_sample=False)
+    refused = pytest.raises(SparsegenError, match=r"re-reading it: read the prompt with sparsegen\.kv\.read")
+    with refused, policy_attention(model):
+        model.generate(ids, cache=make_cache(model, "kvzip", budget=8), max_new_tokens=2, do_sample=False)
     with pytest.raises(SparsegenError, match="drop the prompt's logprobs"):
         read(model, ids, make_cache(model, "kvzip", budget=8), all_logits=True)
     with pytest.raises(SparsegenError, match="chunk >= 1"):
