@@ -274,6 +274,7 @@ def test_concurrent_greedy_requests_of_mixed_lengths_and_policies_each_get_their
         {"kv_policy": "h2o", "kv_budget": 0.5},
         {"kv_policy": "full"},
         {"kv_policy": "h2o", "kv_budget": 12},
+        {"kv_policy": "kvzip", "kv_budget": 4},  # re-reads its first prompt chunk to score it
     ]
     with live_server(loaded, "streaming", {"sinks": 2, "recent": 16}, prefill_chunk=8) as (url, app):
         results: dict[int, str] = {}

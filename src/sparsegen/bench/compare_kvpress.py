@@ -36,8 +36,15 @@ Expected differences, from the math of each side:
   context's queries before RoPE (sinks left out), the same mean rotation over 512 future positions,
   the same safeguard (each head's top `max(1, int(0.2 * kept))`); kvpress hides AdaKV's dropped
   slots behind a mask where sparsegen frees them, so only the kept sets are compared.
+- kvzip: both score a context token by the most attention its group pays it while the model
+  re-reads its chunk (2048 tokens, the next chunk cued by the previous one's last 8), sinks kept,
+  one pool per layer (kvpress `layerwise=True`). kvpress puts "Repeat the previous context
+  exactly." and the chat template's turn change before each re-read chunk and takes the softmax
+  over the sinks, the chunk and its copy only; sparsegen re-reads the bare tokens under the
+  model's own attention over the whole cache. So the kept sets overlap without being identical,
+  and the RULER scores are what is compared.
 - Not compared: DuoAttention (kvpress downloads its head patterns from the Hub, offline here; and
-  sparsegen calibrates its own), KVzip (not built in sparsegen).
+  sparsegen calibrates its own).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).with_name("kvpress_worker.py")
-PRESSES = ("streaming", "snapkv", "tova", "knorm", "keydiff", "pyramidkv", "expected_attention", "adakv")
+PRESSES = ("streaming", "snapkv", "tova", "knorm", "keydiff", "pyramidkv", "expected_attention", "adakv", "kvzip")
 WINDOW = 64  # kvpress's SnapKV / PyramidKV observation window, mirrored on sparsegen's side
 KERNEL = 5
 
@@ -103,6 +110,7 @@ def make_press_policy(name: str, kept: int):
         "pyramidkv": {"heavy": kept - WINDOW, "recent": WINDOW, "beta": 20.0},
         "expected_attention": {"sinks": 4, "heavy": kept - 4},
         "adakv": {"sinks": 4, "heavy": kept - 4, "alpha": 0.2},
+        "kvzip": {"sinks": 4, "heavy": kept - 4},
     }
     return make_policy(name, **settings[name])
 

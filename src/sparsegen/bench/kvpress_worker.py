@@ -35,6 +35,7 @@ def make_press(name: str, ratio: float) -> kvpress.BasePress:
         "pyramidkv": lambda: kvpress.PyramidKVPress(compression_ratio=ratio, window_size=64, kernel_size=5, beta=20),
         "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
         "adakv": lambda: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio)),
+        "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio, layerwise=True, n_sink=4),
     }
     if name not in builders:
         raise SystemExit(f"unknown press {name!r}; known: {', '.join(builders)}")
@@ -92,7 +93,7 @@ def kept_positions(model, cache: DynamicCache, inputs: dict[int, torch.Tensor]) 
         for head in range(keys.shape[0]):
             slots = [slot for slot in range(keys.shape[1]) if slot not in hidden[head]]
             rows = keys[head, slots]
-            heads.append(list(range(keys.shape[1])) if full is None else match_rows(full[0, head], rows))
+            heads.append(slots if full is None else match_rows(full[0, head], rows))  # None: masked in place
         kept.append(heads)
     return kept
 

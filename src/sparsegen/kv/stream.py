@@ -37,15 +37,17 @@ def read(
     (default: one forward), so the policy evicts between chunks. Returns the logits of every id
     ([n, vocab], or [b, n, vocab]) with `all_logits`, else of the last one ([vocab], or [b, vocab];
     None for no ids); only what is returned is computed, so long prompts stay cheap. A fresh
-    cache whose policy re-reads the prompt to score it (`kv.kvzip`) reads it in one forward."""
+    cache whose policy re-reads the prompt to score it (`kv.kvzip`) gets its first chunk that way,
+    then the rest as any prefill-only policy does (kept whole)."""
     device = next(model.parameters()).device
     rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
-    if cache.policy.reconstructs and cache.get_seq_length() == 0 and rows.shape[1]:
-        return _read_reconstructing(model, ids, cache, all_logits)
     step = chunk or max(rows.shape[1], 1)
-    kept = []
+    kept, first = [], 0
+    if cache.policy.reconstructs and cache.get_seq_length() == 0 and rows.shape[1]:
+        kept.append(_read_reconstructing(model, rows[:, :step], cache, all_logits))
+        first = step
     with policy_attention(model):
-        for start in range(0, rows.shape[1], step):
+        for start in range(first, rows.shape[1], step):
             piece = rows[:, start : start + step]
             logits = model(
                 input_ids=piece, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
@@ -57,9 +59,10 @@ def read(
     return out if isinstance(ids, torch.Tensor) else out[0]
 
 
-def _read_reconstructing(model, ids, cache: PolicyCache, all_logits: bool):
-    """A policy that scores the prompt by the model re-reading it (`kv.kvzip`): the prompt is read
-    in one forward under the full cache, re-read, then replayed into `cache` (`kv.shared`)."""
+def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logits: bool) -> torch.Tensor:
+    """A policy that scores the prompt by the model re-reading it (`kv.kvzip`): `rows` [b, n] read
+    in one forward under the full cache, re-read, then replayed into `cache` (`kv.shared`); the
+    last token's logits [b, vocab]."""
     from sparsegen.kv.shared import SharedPrefill
 
     if all_logits:
@@ -67,7 +70,7 @@ def _read_reconstructing(model, ids, cache: PolicyCache, all_logits: bool):
             f"{cache.policy.name} re-reads the prompt to score it and gives only the last token's logits: "
             "drop the prompt's logprobs (echo) or choose another policy"
         )
-    shared = SharedPrefill(model, ids)
+    shared = SharedPrefill(model, rows)
     shared.replay_into(cache)
     return shared.logits
 
