@@ -6,11 +6,11 @@ chunk was re-read. The layer keeps the highest scores of all its heads together 
 pool, held in exactly the budget's bytes), the first `sinks` tokens always. Decoding then keeps
 every new token. The score does not depend on any question, so one compressed context answers many.
 
-The re-reading costs one more pass over the context (2-3x the prefill). `kv.stream.read` runs it
-for a fresh cache whose policy `reconstructs`; `kv.shared.SharedPrefill` runs it once per context
-for every budget. Choices beside kvpress's press: the chunks are re-read without an instruction
-text ("Repeat the previous context exactly."), so no tokenizer is needed and base models work too;
-the attention is the model's own (softmax over the whole cache), where kvpress renormalises it over
+The re-reading is one more pass over the context, each chunk attending over the context and its
+copy. `kv.stream.read` runs it for a fresh cache whose policy `reconstructs`;
+`kv.shared.SharedPrefill` runs it once per context for every budget. Choices beside kvpress's
+press: the chunks are re-read without an instruction text ("Repeat the previous context
+exactly."), so no tokenizer is needed and base models work too; the attention is the model's own (softmax over the whole cache), where kvpress renormalises it over
 the sinks, the chunk and its copy; the pool is per layer (kvpress's `layerwise=True` budget split).
 """
 
