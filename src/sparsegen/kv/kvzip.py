@@ -10,8 +10,9 @@ The re-reading is one more pass over the context, each chunk attending over the 
 copy. `kv.stream.read` runs it for a fresh cache whose policy `reconstructs`;
 `kv.shared.SharedPrefill` runs it once per context for every budget. Choices beside kvpress's
 press: the chunks are re-read without an instruction text ("Repeat the previous context
-exactly."), so no tokenizer is needed and base models work too; the attention is the model's own (softmax over the whole cache), where kvpress renormalises it over
-the sinks, the chunk and its copy; the pool is per layer (kvpress's `layerwise=True` budget split).
+exactly."), so no tokenizer is needed and base models work too; the attention is the model's own
+(softmax over the whole cache), where kvpress renormalises it over the sinks, the chunk and its
+copy; the pool is per layer (kvpress's `layerwise=True` budget split).
 """
 
 from __future__ import annotations
