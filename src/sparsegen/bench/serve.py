@@ -160,8 +160,9 @@ def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requ
                 except (SparsegenError, httpx.HTTPError) as exc:
                     failures.append(str(exc))
 
-    def watch() -> None:
-        while not finished.wait(0.2):
+    def watch() -> None:  # from before the first request, often: a short load may last a tenth of a second
+        while not finished.is_set():
+            finished.wait(0.05)
             try:
                 health = httpx.get(f"{base}/health", timeout=5).json()
             except httpx.HTTPError:
