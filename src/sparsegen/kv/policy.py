@@ -101,7 +101,8 @@ def attention_received(
 
     query [b, hq, q, d] are the newest q tokens, key [b, hkv, s, d] the held keys followed by
     those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
-    long prefill never materialises the whole q x s matrix; keys are never copied.
+    long prefill never materialises the whole q x s matrix, each chunk against only the keys its
+    queries see (half the work of a prefill); keys are never copied.
     """
     b, hq, q, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
@@ -113,13 +114,17 @@ def attention_received(
     key_index = torch.arange(s, device=query.device)
     for start in range(0, q, step):
         stop = min(q, start + step)
+        seen = s - q + stop  # keys visible to this chunk's last query
         rows = grouped[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
-        logits = (rows @ keys_t).float() * scaling  # [b, hkv, group * n, s], rows group-major
-        if q > 1:
+        logits = (rows @ keys_t[..., :seen]).float() * scaling  # [b, hkv, group * n, seen], rows group-major
+        if stop - start > 1:
             last_visible = (s - q + torch.arange(start, stop, device=query.device)).repeat(group)
-            logits.masked_fill_(key_index > last_visible[:, None], float("-inf"))
+            logits.masked_fill_(key_index[:seen] > last_visible[:, None], float("-inf"))
         probabilities = logits.softmax(-1)
-        total = torch.maximum(total, probabilities.amax(dim=2)) if peak else total + probabilities.sum(dim=2)
+        if peak:
+            total[..., :seen] = torch.maximum(total[..., :seen], probabilities.amax(dim=2))
+        else:
+            total[..., :seen] += probabilities.sum(dim=2)
     return total
 
 
