@@ -59,3 +59,16 @@ def test_rows_of_different_budgets_decode_as_their_single_runs():
     for policy, tokens in zip(policies, batch.tokens, strict=True):
         single = generate(model, [[9, 10]], 8, policy, compile="never", held=[shared.cache_for(policy)])
         assert single.tokens[0] == tokens
+
+
+def test_a_prompt_compressed_once_is_read_whole_whatever_the_chunk():
+    """A prefill-only policy chooses once: reading its prompt in chunks (the server's prefill) must
+    not let it choose after the first chunk and keep the rest whole."""
+    model = build_tiny("qwen2")
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    for name in [name for name in TABLE if name != "full" and make_policy(name).prefill_only]:
+        policy = make_policy(name, budget=12)
+        whole, chunked = make_cache(model, policy), make_cache(model, policy)
+        assert torch.equal(read(model, ids, whole), read(model, ids, chunked, chunk=8))
+        _same_layers(chunked, whole)
+        assert all(layer.tokens_per_head == 12 for layer in chunked.policy_layers()), name

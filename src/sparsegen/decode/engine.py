@@ -50,7 +50,8 @@ class Decoder:
     `COMPILE_AFTER` steps with at least `COMPILE_PAYS_AFTER` still to come (a short answer never
     waits for a compile), "always", or "never". Compiled code is cached on disk between runs.
     Prompts are read `prefill_chunk` tokens per forward (None: one forward), the policy evicting
-    between chunks. Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
+    between chunks (a prompt compressed once, by a prefill-only policy, in one forward: `kv.read`).
+    Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
     bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
     (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
     dtype on a GPU. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),

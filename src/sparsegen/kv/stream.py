@@ -36,16 +36,19 @@ def read(
     """Read token `ids` (one row's list, or rows [b, n]) into `cache`, `chunk` tokens per forward
     (default: one forward), so the policy evicts between chunks. Returns the logits of every id
     ([n, vocab], or [b, n, vocab]) with `all_logits`, else of the last one ([vocab], or [b, vocab];
-    None for no ids); only what is returned is computed, so long prompts stay cheap. A fresh
-    cache whose policy re-reads the prompt to score it (`kv.kvzip`) gets its first chunk that way,
-    then the rest as any prefill-only policy does (kept whole)."""
+    None for no ids); only what is returned is computed, so long prompts stay cheap. A policy that
+    compresses the prompt once (`prefill_only`) reads a fresh cache's prompt in one forward, so
+    that its one choice sees the whole prompt; one that re-reads the prompt to score it
+    (`kv.kvzip`) does so then."""
     device = next(model.parameters()).device
     rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
     step = chunk or max(rows.shape[1], 1)
     kept, first = [], 0
-    if cache.policy.reconstructs and cache.get_seq_length() == 0 and rows.shape[1]:
-        kept.append(_read_reconstructing(model, rows[:, :step], cache, all_logits))
-        first = step
+    if cache.policy.prefill_only and cache.get_seq_length() == 0 and rows.shape[1]:
+        step = rows.shape[1]
+        if cache.policy.reconstructs:
+            kept.append(_read_reconstructing(model, rows, cache, all_logits))
+            first = step
     with policy_attention(model):
         for start in range(first, rows.shape[1], step):
             piece = rows[:, start : start + step]

@@ -263,7 +263,9 @@ class Engine:
         if job.cancelled.is_set():
             self._drop(job)
             return
-        chunk, job.to_read = job.to_read[: self.prefill_chunk], job.to_read[self.prefill_chunk :]
+        whole = job.cache.policy.prefill_only and not job.cache.get_seq_length()  # compressed once: see it all
+        size = len(job.to_read) if whole else self.prefill_chunk
+        chunk, job.to_read = job.to_read[:size], job.to_read[size:]
         logits = self._forward(chunk, job.cache, all_logits=job.echo)
         job.read_logits.append(logits)
         if job.to_read:
