@@ -59,4 +59,8 @@ class SnapKVPolicy(Policy):
         return torch.cat([pooled.view(b, h, body), received[..., body:]], dim=-1)
 
     def priority(self, step):
-        return step.scores.masked_fill(step.is_recent(), KEEP)
+        # Equal scores keep the newer token: a prompt shorter than the pooling window pools every
+        # score to the same value, and top-k's choice among ties is left to the backend. The factor
+        # is below float32's spacing (6e-8), so it never reorders scores that differ.
+        newer_first = 1 + 1e-9 * step.positions.double() / step.seen
+        return (step.scores.double() * newer_first).masked_fill(step.is_recent(), KEEP)
