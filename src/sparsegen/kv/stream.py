@@ -44,7 +44,7 @@ def read(
     rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
     step = chunk or max(rows.shape[1], 1)
     kept, first = [], 0
-    if cache.policy.prefill_only and cache.get_seq_length() == 0 and rows.shape[1]:
+    if reads_whole(cache) and rows.shape[1]:
         step = rows.shape[1]
         if cache.policy.reconstructs:
             kept.append(_read_reconstructing(model, rows, cache, all_logits))
@@ -60,6 +60,12 @@ def read(
         return None
     out = torch.cat(kept, 1) if all_logits else kept[-1]
     return out if isinstance(ids, torch.Tensor) else out[0]
+
+
+def reads_whole(cache: PolicyCache) -> bool:
+    """Whether the next prompt read into `cache` must come in one forward: its policy compresses
+    the prompt once, and nothing is held yet (the server's prefill asks this too)."""
+    return cache.policy.prefill_only and cache.get_seq_length() == 0
 
 
 def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logits: bool) -> torch.Tensor:

@@ -30,7 +30,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy, make_policy
-from sparsegen.kv.stream import read
+from sparsegen.kv.stream import read, reads_whole
 from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.conversations import Conversation, ConversationStore
@@ -263,8 +263,7 @@ class Engine:
         if job.cancelled.is_set():
             self._drop(job)
             return
-        whole = job.cache.policy.prefill_only and not job.cache.get_seq_length()  # compressed once: see it all
-        size = len(job.to_read) if whole else self.prefill_chunk
+        size = len(job.to_read) if reads_whole(job.cache) else self.prefill_chunk
         chunk, job.to_read = job.to_read[:size], job.to_read[size:]
         logits = self._forward(chunk, job.cache, all_logits=job.echo)
         job.read_logits.append(logits)
