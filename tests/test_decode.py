@@ -106,6 +106,25 @@ def test_rows_stop_at_eos():
     assert out == free[: free.index(stop) + 1]
 
 
+def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(monkeypatch):
+    """Ended rows stop being read (the batch shrinks), and every row, greedy or drawn with its own
+    generator, still makes its single run's tokens."""
+    model = build_tiny("llama")
+    prompts = [_prompt(9 + row, seed=row)[0].tolist() for row in range(4)]
+    options = dict(policy="h2o", heavy=4, recent=4, compile="never")
+    widths = []
+    step = Decoder.step
+    monkeypatch.setattr(Decoder, "step", lambda self, tokens: widths.append(self.rows) or step(self, tokens))
+    for sampling in ({}, {"temperature": 0.1, "seed": 3}):
+        free = [generate(model, [p], 12, eos_token_id=[], **options, **sampling).tokens[0] for p in prompts]
+        stop = next(t for t in free[0] if all(t not in row for row in free[1:]))  # only row 0 makes it
+        widths.clear()
+        batch = generate(model, prompts, 12, eos_token_id=stop, **options, **sampling).tokens
+        assert widths[0] == 4 and min(widths) < 4
+        assert batch == [generate(model, [p], 12, eos_token_id=stop, **options, **sampling).tokens[0] for p in prompts]
+        assert batch[0][-1] == stop and max(len(row) for row in batch) > len(batch[0])
+
+
 def test_compiled_step_equals_eager_engine():
     model = build_tiny("llama")
     ids = _prompt(21)

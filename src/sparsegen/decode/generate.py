@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -105,7 +104,11 @@ def generate(
     generators = None
     if temperature > 0:
         generators = [torch.Generator().manual_seed(seed if seed is not None else torch.seed()) for _ in prompts]
-    sample = partial(choose, temperature=temperature, top_p=top_p, generators=generators)
+
+    def sample(logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
+        drawn_with = None if generators is None else [generators[index] for index in batch]
+        return choose(logits, temperature, top_p, drawn_with)
+
     with policy_attention(model):  # the model's own attention again when generation ends
         try:
             tokens, prefill_s, decode_s, steps = _timed(token_loop(decoder, prompts, held, rule, sample), streamer)
@@ -128,22 +131,31 @@ class Progress(NamedTuple):
 
 
 def token_loop(decoder: Decoder, prompts, held, rule: StopRule, sample: Callable) -> Iterator[Progress]:
-    """The token loop: prefill, then one step per token until `rule` ends every row. Rows that
-    ended ride along (the batch keeps its shape) but take no more tokens."""
+    """The token loop: prefill, then one step per token until `rule` ends every row. `sample`
+    takes the logits [b, vocab] and the prompt index of each of their rows. Rows that ended take
+    no more tokens; while the step is eager they leave the batch once they are a quarter of it
+    (their KV is no longer read), a compiled step keeps its shape and they ride along."""
     caches, logits = decoder.prefill(prompts, held)
     decoder.start_from(caches, rule.max_tokens)
     rows: list[list[int]] = [[] for _ in prompts]
     verdicts = [Verdict(None, "")] * len(prompts)
-    token = sample(logits)
+    batch = list(range(len(prompts)))  # the prompt each row of the batch decodes
+    token = sample(logits, batch)
     while True:
-        for index, value in enumerate(token.tolist()):
+        for index, value in zip(batch, token.tolist(), strict=True):
             if verdicts[index].reason is None:
                 rows[index].append(value)
                 verdicts[index] = rule.judge(rows[index])
         yield Progress(token, rows, verdicts)
-        if all(verdict.reason is not None for verdict in verdicts):
+        ended = [row for row, index in enumerate(batch) if verdicts[index].reason is not None]
+        if len(ended) == len(batch):
             return
-        token = sample(decoder.step(token))
+        if decoder.mode != "compiled" and 4 * len(ended) >= len(batch):
+            decoder.leave(ended)
+            going = set(ended)
+            staying = [row for row in range(len(batch)) if row not in going]
+            token, batch = token[staying], [batch[row] for row in staying]
+        token = sample(decoder.step(token), batch)
 
 
 def _timed(loop: Iterator[Progress], streamer) -> tuple[list[list[int]], float, float, int]:

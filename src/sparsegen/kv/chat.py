@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import partial
 
+import torch
+
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
@@ -41,9 +43,12 @@ class StreamingChat:
             frozenset(stop_tokens(model, tokenizer)),
             decode=partial(tokenizer.decode, skip_special_tokens=True),
         )
-        self.sample = partial(choose, temperature=temperature, top_p=1.0, generators=None)
+        self.temperature = temperature
         self.messages: list[dict] = []
         self.fed_text = ""
+
+    def _sample(self, logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
+        return choose(logits, self.temperature, 1.0, None)
 
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -61,7 +66,7 @@ class StreamingChat:
         ids = self.unfed + self.tokenizer(new_text, add_special_tokens=False)["input_ids"]
         shown = ""
         with policy_attention(self.model):
-            for progress in token_loop(self.decoder, [ids], [self.cache], self.rule, self.sample):
+            for progress in token_loop(self.decoder, [ids], [self.cache], self.rule, self._sample):
                 text = progress.verdicts[0].text
                 if len(text) > len(shown):
                     yield text[len(shown) :]
