@@ -293,3 +293,19 @@ def test_ratio_budget_resolves_against_the_prompt():
         model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert cache.physical_length() == 10
     assert cache.policy_layers()[0].sizes.heavy == 5
+
+
+def test_key_rotation_by_any_delta_equals_rope_at_that_position():
+    """Rotating a raw key by d equals RoPE at position d, for deltas past the looked-up table's
+    first reach and after it has grown (negative ones are RoPE's inverse)."""
+    rotary = build_tiny("llama").model.rotary_emb
+    rotation = KeyRotation(rotary.inv_freq)
+    raw = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(0))
+    for reach in (100, 5000, 300):
+        delta = torch.randint(0, reach, (64,), generator=torch.Generator().manual_seed(reach))
+        cos, sin = rotary(raw, delta[None])
+        _, expected = apply_rotary_pos_emb(raw, raw, cos, sin)
+        delta = delta.expand(1, 2, 64)
+        torch.testing.assert_close(rotation.rotate(raw, delta), expected, rtol=1e-4, atol=1e-4)
+        back = rotation.rotate(rotation.rotate(raw, delta), -delta)
+        torch.testing.assert_close(back, raw, rtol=1e-4, atol=1e-4)

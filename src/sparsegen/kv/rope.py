@@ -26,11 +26,29 @@ class KeyRotation:
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq.detach().float()
         self.rotary_dim = 2 * self.inv_freq.numel()
+        self._reach = 0
+        self._table: torch.Tensor | None = None  # cos then sin [2 * reach + 1, 2 * rotary_dim] of deltas -reach..reach
+
+    def cos_sin(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every delta's angles [..., rotary_dim]. Eagerly they are looked up in a
+        table of every delta so far (a step's deltas repeat: computing them was most of a rolling
+        step's cost); a compiled graph computes them, fused into the rotation."""
+        if torch.compiler.is_compiling():
+            return self._angles(delta)
+        reach = int(delta.abs().max()) if delta.numel() else 0
+        if self._table is None or reach > self._reach or self._table.device != delta.device:
+            self._reach = max(2 * reach, 1024, self._reach)
+            self._table = torch.cat(self._angles(torch.arange(-self._reach, self._reach + 1, device=delta.device)), -1)
+        rows = self._table.index_select(0, (delta + self._reach).flatten()).view(*delta.shape, -1)
+        return rows[..., : self.rotary_dim], rows[..., self.rotary_dim :]
+
+    def _angles(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = delta.unsqueeze(-1).float() * self.inv_freq.to(delta.device)
+        return torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
 
     def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Rotate `keys` [..., head_dim] by `delta` positions (same leading shape)."""
-        angle = delta.unsqueeze(-1).float() * self.inv_freq.to(keys.device)
-        cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+        cos, sin = self.cos_sin(delta)
         rot, rest = keys[..., : self.rotary_dim].float(), keys[..., self.rotary_dim :]
         rotated = (rot * cos + rotate_half(rot) * sin).to(keys.dtype)
         return torch.cat((rotated, rest), -1) if rest.shape[-1] else rotated
