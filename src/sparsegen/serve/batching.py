@@ -1,7 +1,7 @@
 """The generation engine behind the server: continuous batching over the one decode loop.
 
 Every request is a `Job`. The worker thread admits jobs while their KV fits `max_kv_bytes`
-(the rest wait in a bounded queue), reads each admitted prompt into a policy cache one chunk per
+(`serve.admission`: the rest wait in a bounded queue), reads each admitted prompt into a policy cache one chunk per
 iteration, and then makes it a row of a `Lane`: the rows that share a KV policy, decoded together
 by one `Decoder`, one step for all of them per iteration. Rows join after their prefill and leave
 when done (stop token, stop string, `max_tokens`, a client gone) between steps; a long prompt
@@ -33,16 +33,13 @@ from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.stream import read, reads_whole
 from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import StopRule, choose, stop_tokens
+from sparsegen.serve.admission import Admission
 from sparsegen.serve.conversations import Conversation, ConversationStore
 from sparsegen.serve.events import Done, Event, Failed, PromptLogprobs, Token, prompt_entries, token_entry
 from sparsegen.serve.metrics import Metrics
 
 
-class QueueFull(Exception):
-    """Too many requests wait for KV memory; the client should retry later."""
-
-
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity
 class Job:
     """One request: what to read, how to decode, and where the worker sends what it makes.
 
@@ -111,15 +108,14 @@ class Engine:
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.policy, self.budget = policy, budget or {}
-        self.max_kv_bytes, self.prefill_chunk, self.max_queue = max_kv_bytes, prefill_chunk, max_queue
+        self.prefill_chunk = prefill_chunk
         self.metrics = Metrics()
         self.kv_policy(policy, self.budget)  # bad settings fail now, not at the first request
         self.sampling = sampling_defaults(model)
         self.stop_ids = frozenset(stop_tokens(model, tokenizer))
-        self.bytes_per_token = kv_bytes_per_token(model)
         self.conversations = ConversationStore()
+        self.admission = Admission(max_kv_bytes, kv_bytes_per_token(model), max_queue, self.conversations, self.metrics)
         self.incoming: queue.Queue[Job] = queue.Queue()
-        self.waiting: deque[Job] = deque()
         self.prefilling: deque[Job] = deque()
         self.lanes: dict[tuple, Lane] = {}
         self.device = next(model.parameters()).device
@@ -139,18 +135,10 @@ class Engine:
         """Queue `job`; raises `QueueFull` when `max_queue` requests already wait for memory, and
         `SparsegenError` when its KV could never fit."""
         job.kv_policy = job.kv_policy or self.kv_policy(None, None)
-        job.kv_need = self._kv_need(job)
         answer_text = partial(self.tokenizer.decode, skip_special_tokens=True)
         job.rule = StopRule(job.max_tokens, self.stop_ids, tuple(job.stop), answer_text)
-        if job.kv_need > self.max_kv_bytes:
-            raise SparsegenError(
-                f"this request needs {job.kv_need / 2**20:.1f} MB of KV, more than the server's --max-kv-mb "
-                f"({self.max_kv_bytes / 2**20:.1f} MB): lower max_tokens or use a bounded kv_policy"
-            )
         with self._lock:
-            if len(self.waiting) + self.incoming.qsize() >= self.max_queue:
-                self.metrics.refused.inc()
-                raise QueueFull(f"{self.max_queue} requests already wait for KV memory; retry shortly")
+            self.admission.check(job, self.incoming.qsize())
         self.incoming.put(job)
 
     def close(self) -> None:
@@ -160,13 +148,12 @@ class Engine:
     def held_kv_bytes(self) -> int:
         """KV bytes counted against the cap: admitted rows (at their full need) and held conversations."""
         with self._lock:
-            rows = [job for lane in self.lanes.values() for job in lane.jobs] + list(self.prefilling)
-            return sum(job.kv_need for job in rows) + self.conversations.nbytes
+            return self.admission.held_bytes()
 
     def stats(self) -> dict:
         with self._lock:
-            active = sum(len(lane.jobs) for lane in self.lanes.values()) + len(self.prefilling)
-            return {"conversations": len(self.conversations), "active": active, "queued": len(self.waiting)}
+            active, queued = len(self.admission.admitted), len(self.admission.waiting)
+            return {"conversations": len(self.conversations), "active": active, "queued": queued}
 
     def render_metrics(self) -> bytes:
         stats = self.stats()
@@ -180,9 +167,11 @@ class Engine:
     def _loop(self) -> None:
         with policy_attention(self.model):  # while the engine runs; the model's own attention after close()
             while self._running:
-                busy = self.prefilling or any(lane.jobs for lane in self.lanes.values())
+                busy = self.prefilling or any(lane.jobs for lane in self.lanes.values()) or self.admission.waiting
                 try:
-                    self.waiting.append(self.incoming.get(timeout=0 if busy or self.waiting else 0.05))
+                    job = self.incoming.get(timeout=0 if busy else 0.05)
+                    with self._lock:
+                        self.admission.waiting.append(job)
                     continue  # take every request that came before deciding admissions
                 except queue.Empty:
                     pass
@@ -202,37 +191,22 @@ class Engine:
             job.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
     def _drop(self, job: Job) -> None:
+        """`job` ends before its answer: it leaves the prefill queue and frees its KV."""
         with self._lock:
-            for pending in (self.waiting, self.prefilling):
-                if job in pending:
-                    pending.remove(job)
+            if job in self.prefilling:
+                self.prefilling.remove(job)
+            self.admission.release(job)
 
-    # -- admission ----------------------------------------------------------------------------
-    def _kv_need(self, job: Job) -> int:
-        """Bytes of KV the request may hold: its budget (plus the token in flight) for a bounded
-        policy, its prompt (the whole conversation) plus `max_tokens` for `full`."""
-        sizes = job.kv_policy.sizes(len(job.prompt_ids))
-        most = len(job.prompt_ids) + job.max_tokens
-        tokens = most if sizes is None else min(sizes.budget + 1, most)
-        return tokens * self.bytes_per_token
-
+    # -- a request's cache ----------------------------------------------------------------------
     def _admit(self) -> None:
-        """Admit waiting jobs in order while their KV fits, dropping held conversations (least
-        recently used first) to make room."""
-        while self.waiting:
-            job = self.waiting[0]
-            if job.cancelled.is_set():
-                self.waiting.popleft()
-                continue
-            while self.held_kv_bytes() + job.kv_need > self.max_kv_bytes and self.conversations:
-                with self._lock:
-                    self.conversations.drop_oldest()
-            if self.held_kv_bytes() + job.kv_need > self.max_kv_bytes:
-                return
+        """Admit waiting jobs while they fit, each claiming its cache (a held conversation it
+        continues leaves the store) before the next is weighed."""
+        while True:
             with self._lock:
-                self.waiting.popleft()
+                job = self.admission.admit_next()
+                if job is None:
+                    return
                 self.prefilling.append(job)
-            self.metrics.admitted.labels(job.kv_policy.name).inc()
             self._guarded(job, self._begin)
 
     def _begin(self, job: Job) -> None:
@@ -305,6 +279,8 @@ class Engine:
         except Exception as exc:  # a failed step fails its lane's rows, never the worker
             with self._lock:
                 del self.lanes[key]
+                for job in lane.jobs:
+                    self.admission.release(job)
             for job in lane.jobs:
                 job.emit(Failed(f"{type(exc).__name__}: {exc}"))
 
@@ -322,6 +298,8 @@ class Engine:
             for row, reason in leaving.items():
                 if reason is not None:
                     self._complete(jobs[row], reason, lane.decoder.hand_back(row) if jobs[row].text else None)
+                else:  # the client is gone
+                    self.admission.release(jobs[row])
             if leaving:
                 lane.decoder.leave(list(leaving))
                 staying = [row for row in range(len(jobs)) if row not in leaving]
@@ -341,6 +319,7 @@ class Engine:
 
     def _complete(self, job: Job, reason: str, cache: PolicyCache | None) -> None:
         """Finish `job` (under the lock); keep its conversation's `cache` for reuse."""
+        self.admission.release(job)
         held_tokens = 0
         if cache is not None:
             held_tokens = cache.physical_length()

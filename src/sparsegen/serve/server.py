@@ -11,7 +11,8 @@ from fastapi import Request
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.policy import Policy
-from sparsegen.serve.batching import Engine, Job, QueueFull
+from sparsegen.serve.admission import QueueFull
+from sparsegen.serve.batching import Engine, Job
 from sparsegen.serve.events import Done, Event, Failed
 from sparsegen.serve.schemas import ApiError, Sampling
 

@@ -1,0 +1,51 @@
+"""The server's admission: KV needs, arrival order, conversations dropped for room, releases."""
+
+import pytest
+
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import make_policy
+from sparsegen.serve.admission import Admission, QueueFull
+from sparsegen.serve.batching import Job
+from sparsegen.serve.conversations import Conversation, ConversationStore
+from sparsegen.serve.metrics import Metrics
+
+
+def _job(prompt: int, max_tokens: int, policy: str = "streaming", **budget) -> Job:
+    return Job(list(range(prompt)), max_tokens, emit=print, kv_policy=make_policy(policy, **budget))
+
+
+def test_jobs_are_admitted_in_order_while_their_kv_fits_and_released_jobs_free_it():
+    store = ConversationStore()
+    admission = Admission(max_kv_bytes=100, bytes_per_token=1, max_queue=3, conversations=store, metrics=Metrics())
+    bounded, whole = _job(500, 20, sinks=4, recent=35), _job(30, 20, "full")  # 40 tokens + 1, 50
+    later = _job(10, 5, "full")
+    for job in (bounded, whole, later):
+        admission.check(job, arriving=0)
+        admission.waiting.append(job)
+    assert (bounded.kv_need, whole.kv_need, later.kv_need) == (40, 50, 15)
+    assert admission.admit_next() is bounded and admission.admit_next() is whole
+    assert admission.admit_next() is None and admission.held_bytes() == 90  # 15 more do not fit
+    admission.release(bounded)
+    assert admission.admit_next() is later and admission.held_bytes() == 65
+    with pytest.raises(SparsegenError, match="more than the server's --max-kv-mb"):
+        admission.check(_job(200, 1, "full"), arriving=0)
+
+
+def test_held_conversations_make_room_least_recently_kept_first_and_the_queue_is_bounded():
+    store = ConversationStore()
+    admission = Admission(max_kv_bytes=100, bytes_per_token=1, max_queue=1, conversations=store, metrics=Metrics())
+    old, new = Conversation(cache=None, text="a", nbytes=40), Conversation(cache=None, text="b", nbytes=40)
+    store.keep(old)
+    store.keep(new)
+    job = _job(30, 20, "full")
+    admission.check(job, arriving=0)
+    admission.waiting.append(job)
+    assert admission.admit_next() is job and len(store) == 1 and store.continued_by("bc") is new
+    assert admission.held_bytes() == 90
+    with pytest.raises(QueueFull):
+        admission.check(_job(5, 5, "full"), arriving=1)
+    cancelled = _job(5, 5, "full")
+    admission.check(cancelled, arriving=0)
+    admission.waiting.append(cancelled)
+    cancelled.cancelled.set()
+    assert admission.admit_next() is None and not admission.waiting
