@@ -152,8 +152,7 @@ def token_loop(decoder: Decoder, prompts, held, rule: StopRule, sample: Callable
             return
         if decoder.mode != "compiled" and 4 * len(ended) >= len(batch):
             decoder.leave(ended)
-            going = set(ended)
-            staying = [row for row in range(len(batch)) if row not in going]
+            staying = [row for row, index in enumerate(batch) if verdicts[index].reason is None]
             token, batch = token[staying], [batch[row] for row in staying]
         token = sample(decoder.step(token), batch)
 

@@ -30,15 +30,16 @@ class KeyRotation:
         self._table: torch.Tensor | None = None  # cos then sin [2 * reach + 1, 2 * rotary_dim] of deltas -reach..reach
 
     def cos_sin(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every delta's angles [..., rotary_dim]. Eagerly they are looked up in a
-        table of every delta so far (a step's deltas repeat: computing them was most of a rolling
-        step's cost); a compiled graph computes them, fused into the rotation."""
-        if torch.compiler.is_compiling():
+        """cos and sin of every delta's angles [..., rotary_dim]. On a CPU, eagerly, they are
+        looked up in a table of every delta so far (a step's deltas repeat: computing them was most
+        of a rolling step's cost); a compiled graph and a GPU compute them (fused, or cheap there;
+        the table's size check would stall a GPU)."""
+        if torch.compiler.is_compiling() or not delta.is_cpu:
             return self._angles(delta)
         reach = int(delta.abs().max()) if delta.numel() else 0
-        if self._table is None or reach > self._reach or self._table.device != delta.device:
-            self._reach = max(2 * reach, 1024, self._reach)
-            self._table = torch.cat(self._angles(torch.arange(-self._reach, self._reach + 1, device=delta.device)), -1)
+        if self._table is None or reach > self._reach:
+            self._reach = max(2 * reach, 1024)
+            self._table = torch.cat(self._angles(torch.arange(-self._reach, self._reach + 1)), -1)
         rows = self._table.index_select(0, (delta + self._reach).flatten()).view(*delta.shape, -1)
         return rows[..., : self.rotary_dim], rows[..., self.rotary_dim :]
 

@@ -82,8 +82,6 @@ class Admission:
         return job
 
     def release(self, job: Job) -> None:
-        """`job` holds no KV any more (answered, failed, abandoned, or never admitted)."""
-        if job in self.waiting:
-            self.waiting.remove(job)
+        """Admitted `job` holds no KV any more (answered, failed or abandoned)."""
         if job in self.admitted:
             self.admitted.remove(job)
