@@ -54,7 +54,8 @@ class Decoder:
     Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
     bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
     (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
-    dtype on a GPU. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
+    dtype on a GPU; `kv_bits` (8 or 4) holds them rounded instead (`kv.quantized`), prompt and
+    held conversations included. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
     and the CPU's few-row product is not used.
     """
 
@@ -67,6 +68,7 @@ class Decoder:
         kv_dtype: torch.dtype | None = None,
         notify: Callable[[str], None] = _say_to_stderr,
         prefill_chunk: int | None = None,
+        kv_bits: int | None = None,
         **budget: int | float,
     ) -> None:
         if compile not in COMPILE_MODES:
@@ -82,6 +84,7 @@ class Decoder:
         self.kv_dtype = kv_dtype or (torch.float32 if on_cpu else next(model.parameters()).dtype)
         self.notify = notify
         self.prefill_chunk = prefill_chunk
+        self.kv_bits = kv_bits
         self.state: StaticKV | None = None
         self._eager = DecodeStep(model)
         self.mode = "eager"
@@ -95,7 +98,7 @@ class Decoder:
     def new_cache(self, prompt_length: int) -> PolicyCache:
         """An empty policy cache for a row whose prompt has `prompt_length` tokens (shares of the
         prompt resolved against it now, so reading it in chunks keeps the same budget)."""
-        return make_cache(self.model, self.policy.resolved(prompt_length), position=self.position)
+        return make_cache(self.model, self.policy.resolved(prompt_length), position=self.position, kv_bits=self.kv_bits)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], held: list[PolicyCache | None] | None = None):
@@ -145,7 +148,7 @@ class Decoder:
 
     def hand_back(self, row: int) -> PolicyCache:
         """Row `row`'s held tokens as a policy cache of its own, to keep between requests."""
-        cache = make_cache(self.model, self.policy, position=self.position)
+        cache = make_cache(self.model, self.policy, position=self.position, kv_bits=self.kv_bits)
         seen = int(self.state.seen[row])
         dtype = next(self.model.parameters()).dtype
         for layer, slots in zip(cache.layers, self.state.layers, strict=True):

@@ -64,6 +64,7 @@ def generate(
     tokenizer=None,
     compile: str = "auto",
     kv_dtype: torch.dtype | None = None,
+    kv_bits: int | None = None,
     streamer=None,
     notify: Callable[[str], None] | None = None,
     decoder: Decoder | None = None,
@@ -79,7 +80,8 @@ def generate(
     given the `tokenizer`, its EOS and the chat template's turn tokens (`stop_tokens`), as the
     CLI and the server stop; the batch stops when every row has. Prompts are read
     `prefill_chunk` tokens per forward (None: one). Sampling (temperature > 0, top-p) draws each
-    row from its own generator seeded `seed`. `streamer` (a transformers streamer, batch 1)
+    row from its own generator seeded `seed`. `kv_bits` (8 or 4) holds keys and values in that
+    many bits (`kv.quantized`; None: `kv_dtype`). `streamer` (a transformers streamer, batch 1)
     receives tokens as they come; `notify` gets the one-line notes on compiling (default:
     stderr). A `decoder` may be passed to reuse its compiled step.
     """
@@ -97,6 +99,7 @@ def generate(
             position=position,
             compile=compile,
             kv_dtype=kv_dtype,
+            kv_bits=kv_bits,
             prefill_chunk=prefill_chunk,
             **options,
             **budget,

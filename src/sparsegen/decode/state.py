@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
+from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.slots import EMPTY, HeldSlots
 from sparsegen.kv.window import WindowPolicy
@@ -48,6 +50,7 @@ class LayerState:
     `evicting` layers score and evict each step; the others keep every token (dense, or a
     prefill-only policy after its compression). `rotation` is set for rolling positions;
     `sinks` > 0 with `contiguous` rotates only slots [0, sinks), which hold the first tokens.
+    With a `codec`, keys and values are its byte rows, decoded for each step's attention.
     """
 
     policy: Policy
@@ -61,6 +64,7 @@ class LayerState:
     rotation: KeyRotation | None = None
     contiguous: bool = False
     sinks: int = 0
+    codec: KVCodec | None = None
 
     _ROWS = ("keys", "values", "positions", "scores", "slot")
 
@@ -100,33 +104,56 @@ class LayerState:
         index = slice(row, row + 1)
         if isinstance(layer, PolicyLayer):
             sizes = Sizes(*(int(getattr(self.sizes, part)[row]) for part in PARTS))
-            keys, values = self.keys[index].to(dtype), self.values[index].to(dtype)
+            keys, values = self.keys[index], self.values[index]
+            if self.codec is None:
+                keys, values = keys.to(dtype), values.to(dtype)
             positions, scores = self.positions[index], self.scores[index]
-            layer.take_slots(HeldSlots(keys, values, positions, scores, self.policy, sizes, self.evicting), seen)
+            held = HeldSlots(keys, values, positions, scores, self.policy, sizes, self.evicting, codec=self.codec)
+            layer.take_slots(held, seen, dtype)
             return
         # a sliding-window layer holds its live tokens in position order
         live = self.positions[row] >= 0
         order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[:, : int(live[0].sum())]
         order = order.gather(1, self.positions[row].gather(1, order).argsort(-1))
-        keys = self.keys[row].gather(1, order[..., None].expand(-1, -1, self.keys.shape[3]))[None].to(dtype)
-        values = self.values[row].gather(1, order[..., None].expand(-1, -1, self.values.shape[3]))[None].to(dtype)
+        keys, values = (
+            self._numbers(buffer[row].gather(1, order[..., None].expand(-1, -1, buffer.shape[3]))[None]).to(dtype)
+            for buffer in (self.keys, self.values)
+        )
         layer.keys, layer.values, layer.is_initialized = keys, values, True
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.cumulative_length = seen
 
+    def _numbers(self, held: torch.Tensor) -> torch.Tensor:
+        """Held keys or values as numbers (decoded, where a codec holds them)."""
+        return held if self.codec is None else self.codec.decode(held)
+
+    def _stored(self, new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        return new.to(buffer.dtype) if self.codec is None else self.codec.encode(new)
+
     def write(self, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
         """Put the new token's key/value [b, h, 1, d] at `position` [b] into each row's free slot."""
-        b, h, _, d = key.shape
-        index = self.slot.unsqueeze(-1).expand(b, h, 1, d)
-        self.keys.scatter_(2, index, key.to(self.keys.dtype))
-        self.values.scatter_(2, index, value.to(self.values.dtype))
+        b, h = key.shape[:2]
+        key, value = self._stored(key, self.keys), self._stored(value, self.values)
+        self.keys.scatter_(2, self.slot.unsqueeze(-1).expand(b, h, 1, key.shape[3]), key)
+        self.values.scatter_(2, self.slot.unsqueeze(-1).expand(b, h, 1, value.shape[3]), value)
         self.positions.scatter_(2, self.slot, position.view(b, 1, 1).expand(b, h, 1))
         self.scores.scatter_(2, self.slot, 0.0)
 
-    def logits(self, query: torch.Tensor, seen: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention logits of the grouped query [b, h, g, d] over every slot, and the keys as
-        attended (rolled where positions are rolling)."""
-        keys = self.keys
+    def read(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's key and value as numbers: the buffers themselves, or decoded with the
+        token just written (`key`, `value` [b, h, 1, d]) at full precision, as a forward reads
+        its own tokens (`kv.quantized`)."""
+        if self.codec is None:
+            return self.keys, self.values
+        keys, values = self.codec.decode(self.keys), self.codec.decode(self.values)
+        index = self.slot.unsqueeze(-1).expand(*key.shape)
+        return keys.scatter_(2, index, key.float()), values.scatter_(2, index, value.float())
+
+    def logits(
+        self, query: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention logits of the grouped query [b, h, g, d] over every slot's `keys`, and the
+        keys as attended (rolled where positions are rolling)."""
         if self.rotation is None:
             return scores_of(query, keys) * scaling, keys
         live = self.positions >= 0
@@ -143,27 +170,31 @@ class LayerState:
         keys = self.rotation.rotate(keys, delta)
         return scores_of(query, keys) * scaling, keys
 
-    def attend(self, query: torch.Tensor, scaling: float, seen: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, scaling: float, seen: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
         """Attention of the new queries [b, hq, 1, d] over the live slots, then the policy's step.
-        `seen` [b, 1, 1] counts each row's tokens including the new one. Returns [b, 1, hq, d]."""
+        `seen` [b, 1, 1] counts each row's tokens including the new one, whose `key` and `value`
+        `write` has just stored. Returns [b, 1, hq, d]."""
         b, hq, _, d = query.shape
         h = self.keys.shape[1]
         grouped = query.view(b, h, hq // h, d)
-        logits, keys = self.logits(grouped, seen, scaling)
+        keys, values = self.read(key, value)
+        logits, keys = self.logits(grouped, keys, seen, scaling)
         live = self.positions >= 0
         probs = logits.masked_fill(~live.unsqueeze(2), float("-inf")).softmax(-1)
-        out = weighted_values(probs, self.values)
-        self.choose_next_slot(query, keys, probs, scaling, seen)
+        out = weighted_values(probs, values)
+        self.choose_next_slot(query, keys, values, probs, scaling, seen)
         return out.to(query.dtype).view(b, hq, 1, d).transpose(1, 2)
 
-    def choose_next_slot(self, query, keys, probs, scaling: float, seen: torch.Tensor) -> None:
+    def choose_next_slot(self, query, keys, values, probs, scaling: float, seen: torch.Tensor) -> None:
         """Score, then free the lowest-priority slot if the row is over budget (else use a free one)."""
         if self.evicting:
             b, hq = query.shape[:2]
             step = Step(
                 positions=self.positions,
                 keys=keys,
-                values=self.values,
+                values=values,
                 scores=self.scores,
                 query=query,
                 scaling=scaling,
@@ -261,13 +292,17 @@ def capacity_for(parts: list[HeldSlots], max_new_tokens: int) -> int:
 
 
 def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> LayerState:
-    """One layer's slots for all rows, from each row group's prefilled layer."""
+    """One layer's slots for all rows, from each row group's prefilled layer: in their codec's
+    bytes where they are held in one, else in `kv_dtype`."""
+    codec = parts[0].codec
+    if any(part.codec != codec for part in parts):
+        raise SparsegenError("rows of one batch must hold their KV in the same number of bits (kv_bits)")
     rows = sum(part.keys.shape[0] for part in parts)
-    h, d = parts[0].keys.shape[1], parts[0].keys.shape[3]
-    dv = parts[0].values.shape[3]
-    device = parts[0].keys.device
-    keys = torch.zeros(rows, h, capacity, d, dtype=kv_dtype, device=device)
-    values = torch.zeros(rows, h, capacity, dv, dtype=kv_dtype, device=device)
+    h, device = parts[0].keys.shape[1], parts[0].keys.device
+    dtype = kv_dtype if codec is None else torch.uint8
+    keys, values = (
+        torch.zeros(rows, h, capacity, t.shape[3], dtype=dtype, device=device) for t in (parts[0].keys, parts[0].values)
+    )
     positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long, device=device)
     scores = torch.zeros(rows, h, capacity, device=device)
     budgets = []
@@ -297,4 +332,5 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> Layer
         rotation=parts[0].rotation,
         contiguous=policy.contiguous,
         sinks=max(s.sinks for s in budgets),
+        codec=codec,
     )

@@ -72,10 +72,10 @@ def _make_attention(base):
         if static_kv is not None:
             state = static_kv.layers[module.layer_idx]
             state.write(key, value, static_kv.seen - 1)
-            return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
+            return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1), key, value), None
         if policy_layer is not None and policy_layer.head_of is not None:  # heads of different lengths
             out = policy_layer.attend_flat(query, key, value, scaling)
-            policy_layer.after_attention(query, key, scaling)
+            policy_layer.after_attention(query, key, scaling, values=value)
             return out, None
         if policy_layer is not None and attention_mask is not None:
             attention_mask = _fit_mask(attention_mask, key.shape[-2], query.shape[-2])
@@ -84,7 +84,7 @@ def _make_attention(base):
             if policy_layer.check_padding:
                 policy_layer.check_padding = False
                 _refuse_padding(attention_mask)
-            policy_layer.after_attention(query, key, scaling, weights)
+            policy_layer.after_attention(query, key, scaling, weights, values=value)
         return out, weights
 
     return attention

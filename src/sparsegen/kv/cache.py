@@ -14,6 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import ragged
 from sparsegen.kv.policy import KEEP, Policy, Sizes, Step
+from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.slots import EMPTY, HeldSlots, room_for
 
@@ -32,6 +33,8 @@ class PolicyLayer(CacheLayerMixin):
     from); `size` is the number of tokens physically held. `hole` [b, h, 1], when set, is the
     slot in [0, size] evicted last and free for the next token. `head_of`, once a head-adaptive
     policy has compressed the prompt, tags the slots of the flattened heads (`kv.ragged`).
+    With a `codec`, keys and values are held as its byte rows (`kv.quantized`) and read back in
+    `dtype`, the model's.
     """
 
     is_sliding = False
@@ -47,9 +50,11 @@ class PolicyLayer(CacheLayerMixin):
         pinned: int = 0,
         layers: int = 1,
         rope: KeyRotation | None = None,
+        codec: KVCodec | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
+        self.codec = codec
         self.layers = layers
         self.rope = rope or rotation  # a rolling layer knows the frequencies too
         self.pinned = pinned
@@ -74,8 +79,8 @@ class PolicyLayer(CacheLayerMixin):
         b, h, _, _ = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.kv_heads = h
-        self.keys = key_states.new_empty(b, h, 0, key_states.shape[-1])
-        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.keys = self._stored(key_states[:, :, :0])
+        self.values = self._stored(value_states[:, :, :0])
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
         self.scores = torch.empty(b, h, 0, dtype=torch.float32, device=self.device)
         self.is_initialized = True
@@ -94,19 +99,42 @@ class PolicyLayer(CacheLayerMixin):
             self.sizes = self._resolve_sizes(self.cumulative_length + n - self.pinned)
         new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
         new_positions = new_positions.expand(*key_states.shape[:2], n)
+        stored_keys, stored_values, filled = self._stored(key_states), self._stored(value_states), None
         if self.head_of is not None:
-            self._append(ragged.spread(key_states), ragged.spread(value_states), ragged.spread(new_positions))
-            size, b = self.size, key_states.shape[0]
+            key_states, value_states = ragged.spread(key_states), ragged.spread(value_states)
+            self._append(ragged.spread(stored_keys), ragged.spread(stored_values), ragged.spread(new_positions))
+            size, b = self.size, stored_keys.shape[0]
             self.head_of[:, :, size - n * self.kv_heads : size] = ragged.new_head_tags(b, self.kv_heads, n, self.device)
         elif self.hole is not None and n == 1:
-            self._fill_hole(key_states, value_states, new_positions)
+            filled = self.hole
+            self._fill_hole(stored_keys, stored_values, new_positions)
         else:
             if self.hole is not None:
                 self._close_hole()
-            self._append(key_states, value_states, new_positions)
+            self._append(stored_keys, stored_values, new_positions)
         self.cumulative_length += n
         self.new_tokens = n
-        return self._keys_for_attention(), self.values[:, :, : self.size]
+        keys = self._keys_for_attention(self._read(self.keys, key_states, filled))
+        return keys, self._read(self.values, value_states, filled)
+
+    def _stored(self, states: torch.Tensor) -> torch.Tensor:
+        """Keys or values [b, h, n, d] as held: the codec's byte rows, or the numbers themselves."""
+        return states if self.codec is None else self.codec.encode(states)
+
+    def _read(self, buffer: torch.Tensor, new: torch.Tensor | None, filled: torch.Tensor | None) -> torch.Tensor:
+        """The held part of `buffer` as numbers. Held in a codec, it is decoded and this call's own
+        tokens `new` (in slot `filled`, else the last slots) are put back at full precision: a
+        forward attends to its own tokens unrounded, as KIVI's full-precision residual does."""
+        held = buffer[:, :, : self.size]
+        if self.codec is None:
+            return held
+        held = self.codec.decode(held, self.dtype)
+        if new is None:
+            return held
+        if filled is not None:
+            return held.scatter(2, filled.unsqueeze(-1).expand_as(new), new.to(held.dtype))
+        held[:, :, self.size - new.shape[2] :] = new
+        return held
 
     def _resolve_sizes(self, prompt_length: int) -> Sizes | None:
         """The policy's budget for this layer and the first prompt after the pinned prefix, which
@@ -118,8 +146,8 @@ class PolicyLayer(CacheLayerMixin):
             return sizes
         return Sizes(sizes.sinks + self.pinned, sizes.heavy, sizes.recent)
 
-    def _keys_for_attention(self) -> torch.Tensor:
-        keys = self.keys[:, :, : self.size]
+    def _keys_for_attention(self, keys: torch.Tensor) -> torch.Tensor:
+        """The held keys as read (`_read`), rolled where positions are rolling."""
         if self.rotation is None or self.cumulative_length == self.size:
             return keys
         if not self.policy.contiguous:
@@ -127,7 +155,8 @@ class PolicyLayer(CacheLayerMixin):
             return self.rotation.roll(keys, self.positions[:, :, : self.size], self.cumulative_length, head_of)
         # A contiguous policy holds the sinks plus a run of the newest tokens:
         # only the sinks move, all by the same delta. Sinks keep slots [0, sinks) (never evicted,
-        # compaction keeps slot order), so they are rotated in place from a pristine copy.
+        # compaction keeps slot order), so they are rotated in place (in the buffer itself at full
+        # precision, in the decoded copy under a codec) from a pristine copy.
         sinks = min(self.sizes.sinks, self.size)
         if sinks:
             if self.sink_keys is None:
@@ -183,25 +212,29 @@ class PolicyLayer(CacheLayerMixin):
         if self.head_of is not None:
             fills = {"keys": 0.0, "values": 0.0, "positions": EMPTY, "scores": 0.0}
             slots = ragged.unpack(self.held_slots(), self.head_of[:, :, : self.size], self.kv_heads, fills)
-            return HeldSlots(**slots, policy=self.policy, sizes=self.sizes, evicting=False, rotation=self.rotation)
+            return HeldSlots(
+                **slots, policy=self.policy, sizes=self.sizes, evicting=False, rotation=self.rotation, codec=self.codec
+            )
         held = self.size + (self.hole is not None)
         keys = self.keys[:, :, :held].clone()
         positions = self.positions[:, :, :held].clone()
         if self.hole is not None:
             positions.scatter_(2, self.hole, EMPTY)
-        if self.sink_keys is not None:  # rolling sinks were rotated in place: restore them
+        if self.sink_keys is not None and self.codec is None:  # rolling sinks were rotated in place: restore them
             keys[:, :, : self.sink_keys.shape[2]] = self.sink_keys
         evicting = self.sizes is not None and not self.compressed
         sizes = self.sizes or Sizes()
         values, scores = self.values[:, :, :held], self.scores[:, :, :held]
-        return HeldSlots(keys, values, positions, scores, self.policy, sizes, evicting, self.rotation)
+        return HeldSlots(keys, values, positions, scores, self.policy, sizes, evicting, self.rotation, self.codec)
 
-    def take_slots(self, slots: HeldSlots, seen: int) -> None:
-        """Hold one row's `slots` after `seen` tokens (a conversation the fast path hands back):
-        the live slots in slot order, which keeps a contiguous policy's sinks first; heads that
-        hold different counts are packed flat."""
+    def take_slots(self, slots: HeldSlots, seen: int, dtype: torch.dtype) -> None:
+        """Hold one row's `slots` after `seen` tokens (a conversation the fast path hands back),
+        read back in `dtype`: the live slots in slot order, which keeps a contiguous policy's
+        sinks first; heads that hold different counts are packed flat."""
+        if slots.codec != self.codec:
+            raise SparsegenError(f"slots held in {slots.codec} cannot continue in a cache of {self.codec}")
         live = slots.positions[0] >= 0
-        self.kv_heads, self.dtype, self.device = live.shape[0], slots.keys.dtype, slots.keys.device
+        self.kv_heads, self.dtype, self.device = live.shape[0], dtype, slots.keys.device
         self.is_initialized, self.cumulative_length, self.check_padding = True, seen, False
         bounded = bool(self.policy.budget_parts())
         self.sizes = slots.sizes if bounded else None
@@ -215,38 +248,6 @@ class PolicyLayer(CacheLayerMixin):
         for name, tensor in tensors.items():
             setattr(self, name, _gather(tensor, order))
         self.size = int(counts[0])
-
-    # -- checkpoints ------------------------------------------------------------------------
-    _STATE = (
-        "keys",
-        "values",
-        "positions",
-        "scores",
-        "hole",
-        "sink_keys",
-        "head_of",
-        "kv_heads",
-        "cumulative_length",
-        "size",
-        "check_padding",
-        "new_tokens",
-        "compressed",
-        "is_initialized",
-    )
-
-    def state_dict(self) -> dict:
-        """Tensors and plain values only: loads with `torch.load(weights_only=True)`."""
-        state = {name: getattr(self, name, None) for name in self._STATE}
-        state["sizes"] = None if self.sizes is None else [self.sizes.sinks, self.sizes.heavy, self.sizes.recent]
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in self._STATE:
-            setattr(self, name, state[name])
-        self.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
-        self.awaiting_attention = False
-        if self.keys is not None:
-            self.dtype, self.device = self.keys.dtype, self.keys.device
 
     # -- policy mechanics -------------------------------------------------------------------
     @property
@@ -304,13 +305,15 @@ class PolicyLayer(CacheLayerMixin):
         weights=None,
         received: dict | None = None,
         reconstruction: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
     ) -> None:
         """Let the policy update its scores from this attention call, then evict down to the budget.
 
         A prefill-only policy compresses once, after the first call, and keeps every later token.
         `received` shares `Step.received`'s results between policies replaying one recorded call
         (`kv.shared`); it must belong to these very queries and keys. `reconstruction` is
-        `Step.reconstruction`, for a replayed prompt.
+        `Step.reconstruction`, for a replayed prompt. `values` are the held values as attention
+        read them (`update`'s), needed when a codec holds them.
         """
         self.awaiting_attention = False
         if self.compressed:
@@ -319,7 +322,7 @@ class PolicyLayer(CacheLayerMixin):
         step = Step(
             positions=self.positions[:, :, held],
             keys=keys,
-            values=self.values[:, :, held],
+            values=self._read(self.values, None, None) if values is None else values,
             scores=self.scores[:, :, held],
             query=query,
             scaling=scaling,

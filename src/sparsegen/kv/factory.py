@@ -10,6 +10,7 @@ from sparsegen.kv.attention import check_supported
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
+from sparsegen.kv.quantized import codec_for
 from sparsegen.kv.rope import KeyRotation
 
 POSITIONS = ("original", "rolling")
@@ -28,6 +29,7 @@ def make_cache(
     budget: int | None = None,
     pinned: int = 0,
     layer_class: type[PolicyLayer] = PolicyLayer,
+    kv_bits: int | None = None,
     **parts: int | float,
 ) -> PolicyCache:
     """A `Cache` for `model.generate(..., cache=cache)` that applies a KV policy.
@@ -38,8 +40,10 @@ def make_cache(
     keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
     the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
     never evicted and come on top of the budget. `layer_class` is the class of the policy layers
-    (`kv.shared` records the prefill with its own). Full-attention layers get the policy; sliding-window layers (Gemma
-    3) keep their own window. The cache evicts only while the model runs inside
+    (`kv.shared` records the prefill with its own). `kv_bits` (8 or 4) holds the policy layers'
+    keys and values rounded to that many bits (`kv.quantized`); None keeps the model's numbers.
+    Full-attention layers get the policy; sliding-window layers (Gemma 3) keep their own window.
+    The cache evicts only while the model runs inside
     `with sparsegen.kv.policy_attention(model):` (sparsegen's attention hands each layer its
     attention); outside it the cache refuses its second update with a one-line error.
     """
@@ -62,12 +66,16 @@ def make_cache(
     if position == "rolling" and rope_type in ("dynamic", "longrope"):
         raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
     rope = KeyRotation(inv_freq)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    codec = codec_for(kv_bits, head_dim)
     rotation = rope if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
     types = _layer_types(model.config)
     for index, layer_type in enumerate(types):
         if layer_type == "full_attention":
-            layers.append(layer_class(policy, rotation, layer_idx=index, pinned=pinned, layers=len(types), rope=rope))
+            layers.append(
+                layer_class(policy, rotation, layer_idx=index, pinned=pinned, layers=len(types), rope=rope, codec=codec)
+            )
         elif layer_type == "sliding_attention":
             from transformers.cache_utils import DynamicSlidingWindowLayer
 

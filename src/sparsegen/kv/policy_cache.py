@@ -3,11 +3,12 @@ sliding-window layers beside them (Gemma 3); held sizes, bytes, and checkpoints.
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.policy import Policy
+from sparsegen.kv.policy import Policy, Sizes
 
 
 class PolicyCache(Cache):
@@ -60,19 +61,49 @@ class PolicyCache(Cache):
 
 
 _SLIDING_STATE = ("keys", "values", "cumulative_length", "is_initialized")
+_POLICY_STATE = (
+    "keys",
+    "values",
+    "positions",
+    "scores",
+    "hole",
+    "sink_keys",
+    "head_of",
+    "kv_heads",
+    "cumulative_length",
+    "size",
+    "check_padding",
+    "new_tokens",
+    "compressed",
+    "is_initialized",
+)
 
 
 def _layer_state(layer: CacheLayerMixin) -> dict:
-    if isinstance(layer, PolicyLayer):
-        return layer.state_dict()
-    return {name: getattr(layer, name, None) for name in _SLIDING_STATE}  # transformers' sliding layer
+    """Tensors and plain values only: loads with `torch.load(weights_only=True)`."""
+    if not isinstance(layer, PolicyLayer):  # transformers' sliding layer
+        return {name: getattr(layer, name, None) for name in _SLIDING_STATE}
+    state = {name: getattr(layer, name, None) for name in _POLICY_STATE}
+    state["sizes"] = None if layer.sizes is None else [layer.sizes.sinks, layer.sizes.heavy, layer.sizes.recent]
+    state["dtype"] = str(getattr(layer, "dtype", torch.float32)).removeprefix("torch.")
+    state["kv_bits"] = None if layer.codec is None else layer.codec.bits
+    return state
 
 
 def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
-    if isinstance(layer, PolicyLayer):
-        layer.load_state_dict(state)
+    if not isinstance(layer, PolicyLayer):
+        for name in _SLIDING_STATE:
+            setattr(layer, name, state[name])
+        if layer.keys is not None:
+            layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
         return
-    for name in _SLIDING_STATE:
+    bits = None if layer.codec is None else layer.codec.bits
+    if state.get("kv_bits") != bits:
+        raise SparsegenError(f"this checkpoint holds KV in {state.get('kv_bits')} bits, this cache in {bits}")
+    for name in _POLICY_STATE:
         setattr(layer, name, state[name])
+    layer.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
+    layer.awaiting_attention = False
     if layer.keys is not None:
-        layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
+        layer.dtype = getattr(torch, state["dtype"]) if "dtype" in state else layer.keys.dtype
+        layer.device = layer.keys.device

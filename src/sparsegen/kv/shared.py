@@ -41,7 +41,7 @@ class RecordingLayer(PolicyLayer):
 
     recorded: Recorded | None = None
 
-    def after_attention(self, query, keys, scaling, weights=None, received=None) -> None:
+    def after_attention(self, query, keys, scaling, weights=None, received=None, values=None) -> None:
         self.recorded = Recorded(query, keys, self.values[:, :, : self.size], scaling, weights)
         super().after_attention(query, keys, scaling, weights, received)
 
@@ -78,8 +78,8 @@ class SharedPrefill:
         for layer, source, peak in zip(cache.layers, self.record.layers, peaks, strict=True):
             if isinstance(layer, PolicyLayer):
                 call = source.recorded
-                keys, _ = layer.update(call.keys, call.values)
-                layer.after_attention(call.query, keys, call.scaling, call.weights, call.received, peak)
+                keys, values = layer.update(call.keys, call.values)
+                layer.after_attention(call.query, keys, call.scaling, call.weights, call.received, peak, values)
             else:  # a sliding-window layer (Gemma 3) keeps its own window (replaced, never written in place)
                 _load_layer_state(layer, _layer_state(source))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.kv.policy import Policy, Sizes
+from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
 
 EMPTY = -1
@@ -19,7 +20,7 @@ class HeldSlots:
 
     keys, values [b, h, n, d]; positions [b, h, n], `EMPTY` where a slot is free; scores [b, h, n].
     How the layer goes on: its policy, its resolved sizes, whether it still evicts while decoding,
-    and the rotation of rolling positions.
+    and the rotation of rolling positions. With a `codec`, keys and values are its byte rows.
     """
 
     keys: torch.Tensor
@@ -30,6 +31,7 @@ class HeldSlots:
     sizes: Sizes
     evicting: bool
     rotation: KeyRotation | None = None
+    codec: KVCodec | None = None
 
 
 def room_for(budget: int) -> int:

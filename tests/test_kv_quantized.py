@@ -1,0 +1,151 @@
+"""Keys and values in 8 and 4 bits: the codec's rounding, every policy on both engines, bytes held."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from sparsegen.decode import Decoder, generate
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import make_cache
+from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
+from sparsegen.kv.quantized import KVCodec
+from tests.conftest import build_tiny
+from tests.kv_reference import TABLE, generate_drop_in
+
+SMALL = {name: row.small for name, row in TABLE.items()}
+
+
+def _prompt(length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dim", [16, 64, 96, 128])
+def test_codec_rounds_each_number_within_half_a_step_of_its_group(bits, dim):
+    codec = KVCodec.for_dim(bits, dim)
+    x = torch.randn(2, 3, 50, dim, generator=torch.Generator().manual_seed(dim)) * 4
+    x[0, 0, 0] = 7.0  # a constant vector decodes exactly
+    stored = codec.encode(x)
+    assert stored.dtype == torch.uint8 and stored.shape[-1] == codec.width(dim) == dim * bits // 8 + dim // codec.group * 4
+    back = codec.decode(stored)
+    groups = x.view(2, 3, 50, dim // codec.group, codec.group)
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / ((1 << bits) - 1)
+    error = (back.view_as(groups) - groups).abs()
+    assert bool((error <= step / 2 + 1e-3 * groups.abs() + 1e-6).all())
+    assert torch.equal(back[0, 0, 0], x[0, 0, 0])
+
+
+def test_bad_bit_widths_get_one_line_errors():
+    model = build_tiny("llama")
+    for call in (
+        lambda: make_cache(model, "h2o", budget=8, kv_bits=3),
+        lambda: generate(model, _prompt(5), 2, kv_bits=16),
+    ):
+        with pytest.raises(SparsegenError, match="kv_bits must be one of") as error:
+            call()
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("policy", list(SMALL))
+def test_fast_path_equals_the_drop_in_cache_at_each_bit_width(arch, policy, bits):
+    """The static slots and the policy cache round, store and attend the same way."""
+    model = build_tiny(arch)
+    ids = _prompt(21)
+    reference = generate_drop_in(model, ids, make_cache(model, policy, kv_bits=bits, **SMALL[policy]), 24)
+    out = generate(model, ids, 24, policy=policy, compile="never", kv_bits=bits, **SMALL[policy])
+    assert out.tokens[0] == reference
+
+
+@pytest.mark.parametrize("policy", list(SMALL))
+def test_8_bit_kv_keeps_every_policys_greedy_tokens(arch, policy):
+    model = build_tiny(arch)
+    ids = _prompt(21)
+    full_precision = generate(model, ids, 12, policy=policy, compile="never", **SMALL[policy])
+    eight_bits = generate(model, ids, 12, policy=policy, compile="never", kv_bits=8, **SMALL[policy])
+    assert eight_bits.tokens == full_precision.tokens
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_full_cache_in_bits_equals_transformers_cache_rounded_after_each_forward(bits):
+    """The reference of the arithmetic: a plain `DynamicCache` whose held keys and values are
+    rounded through the codec after every forward (each forward reading its own tokens
+    unrounded) gives the same logits, step by step."""
+    model = build_tiny("qwen2")
+    ids = _prompt(30)[0].tolist()
+    codec = KVCodec.for_dim(bits, model.config.hidden_size // model.config.num_attention_heads)
+    decoder = Decoder(model, "full", compile="never", kv_bits=bits)
+    with policy_attention(model), torch.inference_mode():
+        logits = [decoder.start([ids[:12]], 32)[0]]
+        for token in ids[12:-1]:
+            logits.append(decoder.step(torch.tensor([token]))[0])
+    cache, reference = DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        for chunk in [ids[:12]] + [[token] for token in ids[12:-1]]:
+            reference.append(model(torch.tensor([chunk]), cache=cache).logits[0, -1])
+            for layer in cache.layers:
+                layer.keys, layer.values = (
+                    codec.decode(codec.encode(layer.keys)),
+                    codec.decode(codec.encode(layer.values)),
+                )
+    torch.testing.assert_close(torch.stack(logits), torch.stack(reference), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits, per_vector", [(None, 64), (8, 20), (4, 12)])
+def test_kv_bytes_count_the_rounded_bytes(bits, per_vector):
+    """Tiny heads have 16 numbers: 64 bytes in fp32, 16 + 4 in int8, 8 + 4 in int4 (one group's
+    fp16 scale and minimum)."""
+    model = build_tiny("llama")
+    with policy_attention(model), torch.inference_mode():
+        cache = make_cache(model, "h2o", budget=10, kv_bits=bits)
+        model(_prompt(30), cache=cache)
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert cache.physical_length() == 10
+    assert cache.kv_bytes() == layers * 2 * kv_heads * 10 * per_vector
+    decoder = Decoder(model, "h2o", compile="never", kv_bits=bits, budget=10)
+    with policy_attention(model):
+        decoder.start([_prompt(30)[0].tolist()], 4)
+    assert decoder.state.kv_bytes() == layers * 2 * kv_heads * 11 * per_vector  # the budget plus the token in flight
+
+
+def test_a_held_conversation_continues_in_its_bits_and_checkpoints_round_trip():
+    """A row handed back from the fast path keeps its bytes: continued through the policy cache it
+    equals the uninterrupted run; a checkpoint of it loads only into a cache of the same bits."""
+    model = build_tiny("llama")
+    ids = _prompt(20)[0].tolist()
+    whole = generate(model, [ids], 10, policy="h2o", compile="never", kv_bits=4, eos_token_id=[], budget=12)
+    first = generate(model, [ids], 5, policy="h2o", compile="never", kv_bits=4, eos_token_id=[], budget=12)
+    decoder = Decoder(model, "h2o", compile="never", kv_bits=4, budget=12)
+    with policy_attention(model):
+        decoder.start([ids], 6)
+        for token in first.tokens[0][:-1]:
+            decoder.step(torch.tensor([token]))
+        held = decoder.hand_back(0)
+    assert held.kv_bytes() == held.physical_length() * 3 * 2 * 2 * 12  # layers, keys and values, KV heads, int4 bytes
+    rest = generate(
+        model,
+        [first.tokens[0][-1:]],
+        5,
+        policy="h2o",
+        compile="never",
+        kv_bits=4,
+        held=[held],
+        eos_token_id=[],
+        budget=12,
+    )
+    assert first.tokens[0] + rest.tokens[0] == whole.tokens[0]
+    copy = make_cache(model, "h2o", budget=12, kv_bits=4)
+    for layer, source in zip(copy.layers, held.layers, strict=True):
+        _load_layer_state(layer, _layer_state(source))
+    assert copy.kv_bytes() == held.kv_bytes()
+    with pytest.raises(SparsegenError, match="bits"):
+        _load_layer_state(make_cache(model, "h2o", budget=12).layers[0], _layer_state(held.layers[0]))
+
+
+def test_compiled_step_in_4_bits_equals_the_eager_one():
+    model = build_tiny("llama")
+    ids = _prompt(21).expand(2, -1)
+    eager = generate(model, ids, 16, policy="h2o", compile="never", kv_bits=4, eos_token_id=[], budget=12)
+    compiled = generate(model, ids, 16, policy="h2o", compile="always", kv_bits=4, eos_token_id=[], budget=12)
+    assert compiled.mode == "compiled" and compiled.tokens == eager.tokens
