@@ -27,7 +27,8 @@ def test_codec_rounds_each_number_within_half_a_step_of_its_group(bits, dim):
     x = torch.randn(2, 3, 50, dim, generator=torch.Generator().manual_seed(dim)) * 4
     x[0, 0, 0] = 7.0  # a constant vector decodes exactly
     stored = codec.encode(x)
-    assert stored.dtype == torch.uint8 and stored.shape[-1] == codec.width(dim) == dim * bits // 8 + dim // codec.group * 4
+    assert stored.dtype == torch.uint8
+    assert stored.shape[-1] == codec.width(dim) == dim * bits // 8 + dim // codec.group * 4
     back = codec.decode(stored)
     groups = x.view(2, 3, 50, dim // codec.group, codec.group)
     step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / ((1 << bits) - 1)

@@ -388,3 +388,36 @@ def test_soak_requests_get_their_answers_and_leave_no_row():
     assert by_kind["chat"]["status"] == 200 and by_kind["cancel"]["status"] == 200
     assert all(o["tokens"] >= 1 for o in outcomes if o["kind"] == "greedy")
     assert health["active"] == 0 and health["queued"] == 0
+
+
+def test_requests_in_different_kv_bits_batch_apart_and_each_equals_its_single_run():
+    from sparsegen.decode import generate
+
+    loaded = _loaded()
+    model, tokenizer = loaded
+    prompts = [" ".join(f"w{5 + (i * 11 + j) % 90}" for j in range(n)) for i, n in enumerate((9, 30, 17, 26))]
+    bits = [4, 8, None, 4]
+    with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, kv_bits=4) as (url, app):
+        results: dict[int, str] = {}
+
+        def ask(index: int) -> None:
+            extra = {"kv_bits": bits[index]} if bits[index] != 4 else {}  # omitted: the server's 4; null: none
+            reply = _client(url).completions.create(
+                model="tiny", prompt=prompts[index], max_tokens=12, temperature=0, extra_body=extra
+            )
+            results[index] = reply.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w5", "kv_bits": 3})
+        assert bad.status_code == 400 and "kv_bits" in str(_error(bad)["param"]) + _error(bad)["message"]
+        assert app.state.engine.stats()["active"] == 0
+    for index, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        alone = generate(
+            model, [ids], 12, policy="h2o", compile="never", prefill_chunk=8, kv_bits=bits[index], budget=12
+        )
+        assert results[index] == tokenizer.decode(alone.tokens[0], skip_special_tokens=True), index

@@ -40,13 +40,18 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
 
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float32, kv_bits: int | None = None) -> int:
     """Bytes one token's keys and values take over all layers, stored as `dtype` (the decoder's
-    slots are fp32 by default): what admission and memory bounds count."""
+    slots are fp32 by default) or in `kv_bits` (`kv.quantized`): what admission and memory
+    bounds count."""
+    from sparsegen.kv.quantized import codec_for
+
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * (torch.finfo(dtype).bits // 8)
+    codec = codec_for(kv_bits, head_dim)
+    vector = head_dim * (torch.finfo(dtype).bits // 8) if codec is None else codec.width(head_dim)
+    return 2 * config.num_hidden_layers * heads * vector
 
 
 def dtype_named(name: str, option: str = "dtype") -> torch.dtype:

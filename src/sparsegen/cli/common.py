@@ -44,6 +44,9 @@ SinksOpt = typer.Option(None, "--sinks", help="Initial tokens always kept (strea
 RecentOpt = typer.Option(None, "--recent", help="Most recent tokens kept.")
 HeavyOpt = typer.Option(None, "--heavy", help="Heavy-hitter tokens kept (h2o policies).")
 PositionOpt = typer.Option(None, "--position", help="original or rolling (default: the policy's).")
+KvBitsOpt = typer.Option(
+    None, "--kv-bits", help="Hold keys and values in 8 or 4 bits (rounded per token) [default: full precision]."
+)
 
 
 def policy_budget(

@@ -13,6 +13,7 @@ from sparsegen.cli.common import (
     BudgetOpt,
     DeviceOpt,
     HeavyOpt,
+    KvBitsOpt,
     ModelOpt,
     PolicyOpt,
     PositionOpt,
@@ -23,6 +24,7 @@ from sparsegen.cli.common import (
     out,
     policy_budget,
 )
+from sparsegen.errors import SparsegenError
 
 
 @app.command()
@@ -63,6 +65,7 @@ def generate(
     recent: int | None = RecentOpt,
     heavy: int | None = HeavyOpt,
     position: str | None = PositionOpt,
+    kv_bits: int | None = KvBitsOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens with this mass."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
@@ -83,7 +86,7 @@ def generate(
     from sparsegen.loading import load
     from sparsegen.models import dtype_named
 
-    cache_options = dict(position=position, **policy_budget(policy, budget, sinks, heavy, recent))
+    cache_options = dict(position=position, kv_bits=kv_bits, **policy_budget(policy, budget, sinks, heavy, recent))
     loaded, tokenizer = load(model, dtype=dtype_named(dtype, "--dtype") if dtype else None, device=device)
     if chat:
         encoded = tokenizer.apply_chat_template(
@@ -134,6 +137,9 @@ def stream(
     recent: int | None = RecentOpt,
     heavy: int | None = HeavyOpt,
     position: str | None = PositionOpt,
+    kv_bits: str = typer.Option(
+        "", "--kv-bits", help="Also run each policy with its KV in these bits (e.g. 8,4), beside full precision."
+    ),
     tokens: int = typer.Option(20000, "--tokens", help="Stream length in tokens."),
     chunk: int = typer.Option(256, "--chunk", help="Tokens fed per step (1 = exact token-by-token)."),
     out_dir: Path = typer.Option(Path("results/stream"), "--out"),
@@ -146,8 +152,23 @@ def stream(
     if budget is None and sinks is None and recent is None and heavy is None:
         budget = 1024
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    widths = [bits.strip() for bits in kv_bits.split(",") if bits.strip()]
+    if not all(bits.isdigit() for bits in widths):
+        raise SparsegenError(f"--kv-bits takes bit widths separated by commas, such as 8,4; got {kv_bits!r}")
     results = stream_job(
-        model, text, names, tokens, chunk, out_dir, budget, sinks, recent, heavy, position, device=device
+        model,
+        text,
+        names,
+        tokens,
+        chunk,
+        out_dir,
+        budget,
+        sinks,
+        recent,
+        heavy,
+        position,
+        device=device,
+        kv_bits=[int(bits) for bits in widths],
     )
     import json
 
@@ -232,10 +253,11 @@ def serve(
         512, "--prefill-chunk", help="Prompt tokens read between decode steps (bounds other clients' stall)."
     ),
     max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
+    kv_bits: int | None = KvBitsOpt,
     device: str | None = DeviceOpt,
 ) -> None:
     """OpenAI-compatible server (chat and completions, streaming) that batches every request into one
-    decode step, with a bounded KV cache per conversation (kv_policy / kv_budget per request)."""
+    decode step, with a bounded KV cache per conversation (kv_policy / kv_budget / kv_bits per request)."""
     import uvicorn
 
     from sparsegen.kv.policy import count_or_share
@@ -250,6 +272,7 @@ def serve(
         prefill_chunk=prefill_chunk,
         max_queue=max_queue,
         device=device,
+        kv_bits=kv_bits,
     )
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
     uvicorn.run(application, host=host, port=port, log_level="warning")

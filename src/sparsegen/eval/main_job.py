@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from sparsegen.eval.stream_ppl import PolicyRun, StreamResult, stream_compare
 from sparsegen.ioutil import write_json
 from sparsegen.kv import POLICIES
 from sparsegen.kv.policy import resolve_budget
+from sparsegen.kv.quantized import checked_bits
 from sparsegen.loading import load
 from sparsegen.report import plot_lines, running_mean
 
@@ -81,13 +83,21 @@ def stream_job(
     position: str | None = None,
     progress: bool = True,
     device: str | None = None,
+    kv_bits: list[int] | tuple[int, ...] = (),
 ) -> dict[str, StreamResult]:
-    """Run the comparison, write results.json, NLL files and the plot into `out`; return results."""
+    """Run the comparison, write results.json, NLL files and the plot into `out`; return results.
+    Each bit width in `kv_bits` adds a run of every bounded policy with its KV held in those bits."""
     model, tokenizer = load(model_name, device=device)
     model_window = model.config.get_text_config().max_position_embeddings
     if "full" not in policies:  # the reference for fidelity, always run within the model's window
         policies = ["full", *policies]
     runs = policy_runs(policies, budget, sinks, recent, heavy, position, model_window)
+    runs += [
+        dataclasses.replace(run, label=f"{run.label}-int{bits}", kv_bits=checked_bits(bits))
+        for bits in kv_bits
+        for run in runs
+        if run.policy != "full"
+    ]
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)
     if ids.numel() < tokens:
         raise SparsegenError(f"the text has only {ids.numel()} tokens, fewer than --tokens {tokens}")

@@ -32,6 +32,7 @@ class PolicyRun:
     `policy` is a KV policy name or instance, or "recompute": the sliding window with
     re-computation baseline, where every token re-encodes its last `window` tokens from scratch.
     `max_tokens` stops this run early (the full cache stops at the model's pretrained window).
+    `kv_bits` holds the cache's keys and values in that many bits (`kv.quantized`).
     """
 
     label: str
@@ -41,6 +42,7 @@ class PolicyRun:
     max_tokens: int | None = None
     window: int = 0
     note: str = ""
+    kv_bits: int | None = None
 
 
 @dataclass
@@ -83,7 +85,7 @@ class _Runner:
             raise SparsegenError("the recompute baseline needs window >= 1")
         self.cache: PolicyCache | None = None
         if not self.recompute:
-            self.cache = make_cache(model, run.policy, position=run.position, **run.budget)
+            self.cache = make_cache(model, run.policy, position=run.position, kv_bits=run.kv_bits, **run.budget)
         self.nll: list[float] = []
         self.seconds = 0.0
         self.kv_bytes = 0
@@ -222,7 +224,8 @@ def _recompute_logits(model, ids: torch.Tensor, start: int, n: int, window: int,
 
 def _fingerprint(ids: torch.Tensor, runs: list[PolicyRun], chunk: int) -> str:
     digest = hashlib.sha256(ids.numpy().tobytes())
-    digest.update(repr([(r.label, str(r.policy), r.position, r.budget, r.max_tokens, r.window) for r in runs]).encode())
+    settings = [(r.label, str(r.policy), r.position, r.budget, r.max_tokens, r.window, r.kv_bits) for r in runs]
+    digest.update(repr(settings).encode())
     digest.update(str(chunk).encode())
     return digest.hexdigest()
 

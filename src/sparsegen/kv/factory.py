@@ -84,4 +84,4 @@ def make_cache(
             raise SparsegenError(f"layer type {layer_type!r} is not supported by KV policies")
     if not any(isinstance(layer, PolicyLayer) for layer in layers):
         raise SparsegenError("the model has no full-attention layer for a KV policy to apply to")
-    return PolicyCache(layers, policy, position)
+    return PolicyCache(layers, policy, position, kv_bits)

@@ -12,12 +12,16 @@ from sparsegen.kv.policy import Policy, Sizes
 
 
 class PolicyCache(Cache):
-    """A transformers `Cache` whose full-attention layers apply a KV policy."""
+    """A transformers `Cache` whose full-attention layers apply a KV policy, holding keys and
+    values in `kv_bits` (None: the model's numbers)."""
 
-    def __init__(self, layers: list[CacheLayerMixin], policy: Policy, position: str) -> None:
+    def __init__(
+        self, layers: list[CacheLayerMixin], policy: Policy, position: str, kv_bits: int | None = None
+    ) -> None:
         super().__init__(layers=layers)
         self.policy = policy
         self.position = position
+        self.kv_bits = kv_bits
 
     def physical_length(self) -> int | list[int]:
         """Tokens actually held: one int if all layers agree, else one per layer."""

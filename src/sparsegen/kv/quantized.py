@@ -33,8 +33,7 @@ class KVCodec:
     group: int = 32
 
     def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise SparsegenError(f"kv_bits must be one of {BITS} (or None for full precision), got {self.bits!r}")
+        checked_bits(self.bits)
 
     @classmethod
     def for_dim(cls, bits: int, dim: int) -> KVCodec:
@@ -75,6 +74,13 @@ class KVCodec:
         params = rows[..., code_bytes:].contiguous().view(torch.float16).float()
         params = params.reshape(*lead, dim // self.group, 2, 1)
         return (codes * params[..., 0, :] + params[..., 1, :]).reshape(*lead, dim).to(dtype)
+
+
+def checked_bits(bits: int | None) -> int | None:
+    """`bits` if sparsegen can hold KV in that many (None: full precision); else a one-line error."""
+    if bits is not None and bits not in BITS:
+        raise SparsegenError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
+    return bits
 
 
 def codec_for(bits: int | None, dim: int) -> KVCodec | None:

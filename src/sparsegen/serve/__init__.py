@@ -20,18 +20,27 @@ def build_app(
     prefill_chunk: int = 512,
     max_queue: int = 64,
     device: str | None = None,
+    kv_bits: int | None = None,
 ) -> FastAPI:
     """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
 
     Only the unbounded `full` policy caps prompt + answer at the model's positions; bounded
     policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
-    and held conversation; up to `max_queue` requests wait for room, later ones get a 429.
+    and held conversation (counted in `kv_bits` where a request holds its KV rounded); up to
+    `max_queue` requests wait for room, later ones get a 429.
     """
     from sparsegen.loading import load
 
     network, tokenizer = load(model, device=device) if isinstance(model, str) else model
     engine = Engine(
-        network, tokenizer, policy, budget, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk, max_queue=max_queue
+        network,
+        tokenizer,
+        policy,
+        budget,
+        max_kv_bytes=max_kv_bytes,
+        prefill_chunk=prefill_chunk,
+        max_queue=max_queue,
+        kv_bits=kv_bits,
     )
     limit = network.config.get_text_config(decoder=True).max_position_embeddings
     name = model_id or (model if isinstance(model, str) else "sparsegen")

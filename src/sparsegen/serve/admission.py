@@ -31,7 +31,7 @@ class Admission:
     def __init__(
         self,
         max_kv_bytes: int,
-        bytes_per_token: int,
+        bytes_per_token: dict[int | None, int],
         max_queue: int,
         conversations: ConversationStore,
         metrics: Metrics,
@@ -46,7 +46,7 @@ class Admission:
         sizes = job.kv_policy.sizes(len(job.prompt_ids))
         most = len(job.prompt_ids) + job.max_tokens
         tokens = most if sizes is None else min(sizes.budget + 1, most)
-        return tokens * self.bytes_per_token
+        return tokens * self.bytes_per_token[job.kv_bits]
 
     def check(self, job: Job, arriving: int) -> None:
         """Set `job.kv_need`; refuse a job whose KV could never fit, or one more than `max_queue`

@@ -31,6 +31,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy, make_policy
+from sparsegen.kv.quantized import BITS, checked_bits
 from sparsegen.kv.stream import read, reads_whole
 from sparsegen.models import kv_bytes_per_token
 from sparsegen.sampling import StopRule, choose, stop_tokens
@@ -47,7 +48,7 @@ class Job:
     `emit(event)` is called from the worker thread with the request's events (`serve.events`).
     `text` is the rendered prompt of a chat (for conversation reuse); completions leave it None
     and always start a fresh cache. `kv_policy` is the request's KV policy (the engine's default
-    when None).
+    when None), `kv_bits` the bits its keys and values are held in (None: the decoder's dtype).
     """
 
     prompt_ids: list[int]
@@ -61,6 +62,7 @@ class Job:
     logprobs: int | None = None
     echo: bool = False
     kv_policy: Policy | None = None
+    kv_bits: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker state
     kv_need: int = 0
@@ -106,8 +108,10 @@ class Engine:
         max_kv_bytes: int = 1 << 30,
         prefill_chunk: int = 512,
         max_queue: int = 64,
+        kv_bits: int | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.kv_bits = checked_bits(kv_bits)  # a bad width fails now, not at the first request
         self.policy, self.budget = policy, budget or {}
         self.prefill_chunk = prefill_chunk
         self.metrics = Metrics()
@@ -115,7 +119,8 @@ class Engine:
         self.sampling = sampling_defaults(model)
         self.stop_ids = frozenset(stop_tokens(model, tokenizer))
         self.conversations = ConversationStore()
-        self.admission = Admission(max_kv_bytes, kv_bytes_per_token(model), max_queue, self.conversations, self.metrics)
+        per_token = {bits: kv_bytes_per_token(model, kv_bits=bits) for bits in (None, *BITS)}
+        self.admission = Admission(max_kv_bytes, per_token, max_queue, self.conversations, self.metrics)
         self.incoming: queue.Queue[Job] = queue.Queue()
         self.prefilling: deque[Job] = deque()
         self.lanes: dict[tuple, Lane] = {}
@@ -216,7 +221,7 @@ class Engine:
             job.generator = torch.Generator().manual_seed(job.seed)  # CPU: the sampler draws there
         with self._lock:
             held = None if job.text is None else self.conversations.continued_by(job.text)
-        if held is not None and self._lane_key(job.kv_policy) == self._lane_key(held.cache.policy):
+        if held is not None and self._lane_key(job) == self._lane_key(held.cache):
             with self._lock:
                 self.conversations.take(held)
             new_ids = self.tokenizer(job.text[len(held.text) :], add_special_tokens=False)["input_ids"]
@@ -225,7 +230,7 @@ class Engine:
             self.metrics.reuses.inc()
         else:
             policy = job.kv_policy.resolved(len(job.prompt_ids))
-            job.cache, job.to_read = make_cache(self.model, policy), list(job.prompt_ids)
+            job.cache, job.to_read = make_cache(self.model, policy, kv_bits=job.kv_bits), list(job.prompt_ids)
         if not job.to_read:  # the follow-up adds nothing: re-read the last token's logits
             raise SparsegenError("the request adds no tokens to its conversation")
 
@@ -254,9 +259,9 @@ class Engine:
             if job.max_tokens == 0:
                 self._complete(job, "length", None)
                 return
-            key = self._lane_key(job.kv_policy)
+            key = self._lane_key(job)
             if key not in self.lanes:
-                self.lanes[key] = Lane(Decoder(self.model, job.kv_policy, compile="never"))
+                self.lanes[key] = Lane(Decoder(self.model, job.kv_policy, compile="never", kv_bits=job.kv_bits))
             lane = self.lanes[key]
             lane.decoder.join([job.cache], job.max_tokens)
             lane.jobs.append(job)
@@ -264,11 +269,12 @@ class Engine:
         job.cache = None  # the row lives in the lane now
 
     @staticmethod
-    def _lane_key(policy: Policy) -> tuple:
-        """Rows batch together when they share the policy and every setting but the heavy and
-        recent counts (per-row budgets differ; the sinks fix the slots' layout)."""
+    def _lane_key(holder: Job | PolicyCache) -> tuple:
+        """Rows batch together when they share the policy, every setting but the heavy and recent
+        counts (per-row budgets differ; the sinks fix the slots' layout) and the KV's bits."""
+        policy = holder.kv_policy if isinstance(holder, Job) else holder.policy
         settings = (f for f in dataclasses.fields(policy) if f.name not in ("heavy", "recent"))
-        return (policy.name, *((f.name, getattr(policy, f.name)) for f in settings))
+        return (policy.name, holder.kv_bits, *((f.name, getattr(policy, f.name)) for f in settings))
 
     # -- decode, one step for every row of a lane ------------------------------------------------
     def _decode(self, key: tuple, lane: Lane) -> None:

@@ -45,6 +45,7 @@ class Sampling(BaseModel):
     n: int = 1
     kv_policy: str | None = None
     kv_budget: int | float | None = None
+    kv_bits: Literal[4, 8] | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -56,6 +57,8 @@ class Sampling(BaseModel):
             "top_p": engine.sampling["top_p"] if self.top_p is None else self.top_p,
             "stop": self.stops(),
             "seed": self.seed,
+            # omitted: the server's --kv-bits; null: full precision
+            "kv_bits": self.kv_bits if "kv_bits" in self.model_fields_set else engine.kv_bits,
         }
 
 
