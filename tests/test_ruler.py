@@ -82,6 +82,33 @@ def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, mo
     )
 
 
+def test_kv_bits_hold_every_cell_in_that_many_bits_and_older_results_files_resume(tmp_path, monkeypatch):
+    """A 4-bit run equals reading each cell alone in 4 bits; a results file written before
+    `kv_bits` existed resumes as the full-precision run it was."""
+    model, tokenizer = build_tiny("llama"), tiny_tokenizer()
+    monkeypatch.setattr(ruler, "make_samples", _fixed_samples)
+    four = _settings(kv_bits=4, policies=("full", "h2o", "kvzip"))
+    records = ruler_job(model, tokenizer, four, tmp_path / "four", progress=False)
+    assert {r["kv_bits"] for r in records} == {4}
+    alone = ruler_job(
+        model,
+        tokenizer,
+        _settings(kv_bits=4, policies=("full", "h2o", "kvzip"), separate_prefill=True),
+        tmp_path / "alone",
+        progress=False,
+    )
+    assert sorted((r["policy"], r["ratio"], r["prediction"]) for r in alone) == sorted(
+        (r["policy"], r["ratio"], r["prediction"]) for r in records
+    )
+    plain = _settings(policies=("full", "h2o"))
+    first = ruler_job(model, tokenizer, plain, tmp_path / "plain", progress=False)
+    saved = json.loads((tmp_path / "plain" / "results.json").read_text())
+    del saved["settings"]["kv_bits"]  # as an older sparsegen wrote it
+    (tmp_path / "plain" / "results.json").write_text(json.dumps(saved))
+    monkeypatch.setattr(ruler, "score_sample", lambda *args: pytest.fail("a finished sample was scored again"))
+    assert ruler_job(model, tokenizer, plain, tmp_path / "plain", progress=False) == first
+
+
 @pytest.mark.slow  # RULER's generator runs in a process of its own
 def test_eval_ruler_command_writes_table_plot_and_json(monkeypatch, capsys, tiny_folder, tmp_path):
     args = ["eval", "ruler", "--model", tiny_folder, "--tasks", "niah_single_1", "--lengths", "400"]

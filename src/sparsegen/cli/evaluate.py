@@ -11,6 +11,7 @@ from sparsegen.cli.common import (
     POLICY_HELP,
     DeviceOpt,
     FromDiskOpt,
+    KvBitsOpt,
     ModelOpt,
     PositionOpt,
     SinksOpt,
@@ -154,6 +155,7 @@ def eval_ruler(
         "--duo-heads",
         help="duo_attention's retrieval heads (`sparsegen eval calibrate-heads`); else scored on each prompt.",
     ),
+    kv_bits: int | None = KvBitsOpt,
     out_dir: Path = typer.Option(Path("results/ruler"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
@@ -180,6 +182,7 @@ def eval_ruler(
         haystack=None if haystack is None else str(haystack.resolve()),
         separate_prefill=separate_prefill,
         duo_heads=None if duo_heads is None else str(duo_heads.resolve()),
+        kv_bits=kv_bits,
     )
     loaded, tokenizer = load(model, device=device)
     records = ruler_job(loaded, tokenizer, settings, out_dir)

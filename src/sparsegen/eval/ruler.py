@@ -15,12 +15,13 @@ import json
 import re
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.ruler_data import RulerSample, make_samples, task_table
 from sparsegen.ioutil import write_json
+from sparsegen.kv.quantized import checked_bits
 
 PROTOCOLS = ("query-agnostic", "query-aware")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)
@@ -44,6 +45,8 @@ class RulerSettings:
     """Run every policy x ratio alone, reading the context again (to check and time the shared run)."""
     duo_heads: str | None = None
     """duo_attention's calibrated retrieval heads (a JSON file); None scores heads on each prompt."""
+    kv_bits: int | None = None
+    """Every cell's keys and values held in this many bits (`kv.quantized`); None: full precision."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -52,6 +55,14 @@ class RulerSettings:
             raise SparsegenError(f"compression ratios must be in (0, 1), got {list(self.ratios)}")
         if self.samples < 1:
             raise SparsegenError(f"--samples must be >= 1, got {self.samples}")
+        checked_bits(self.kv_bits)
+
+    @classmethod
+    def saved_as(cls, saved: dict) -> dict:
+        """Settings as a results file keeps them (JSON: lists), a file written before a setting
+        existed holding its default."""
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        return json.loads(json.dumps({**defaults, **saved}))
 
 
 def kept_tokens(read: int, ratio: float) -> int:
@@ -68,11 +79,11 @@ def _cells(settings: RulerSettings) -> list[tuple[str, float]]:
     return [("full", 0.0)] + [(p, r) for p in settings.policies if p != "full" for r in settings.ratios]
 
 
-def _read_alone(model, context: list[int], policy):
+def _read_alone(model, context: list[int], policy, kv_bits: int | None):
     from sparsegen.kv import make_cache
     from sparsegen.kv.stream import read
 
-    cache = make_cache(model, policy.resolved(len(context)))
+    cache = make_cache(model, policy.resolved(len(context)), kv_bits=kv_bits)
     read(model, context, cache)
     return cache
 
@@ -112,7 +123,9 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
     for group in _decode_groups(_cells(settings), len(context), settings):
         began = time.perf_counter()
         caches = [
-            _read_alone(model, context, cell["policy"]) if shared is None else shared.cache_for(cell["policy"])
+            _read_alone(model, context, cell["policy"], settings.kv_bits)
+            if shared is None
+            else shared.cache_for(cell["policy"], kv_bits=settings.kv_bits)
             for cell in group
         ]
         made = generate(
@@ -123,6 +136,7 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
             compile="never",
             tokenizer=tokenizer,
             held=caches,
+            kv_bits=settings.kv_bits,
         )
         seconds = time.perf_counter() - began
         for cell, tokens in zip(group, made.tokens, strict=True):
@@ -138,6 +152,7 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
                     "budget": cell["budget"],
                     "setting": cell["policy"].describe(),
                     "protocol": settings.protocol,
+                    "kv_bits": settings.kv_bits,
                     "context_tokens": len(context),
                     "prediction": prediction,
                     "score": score,
@@ -158,7 +173,7 @@ def ruler_job(model, tokenizer, settings: RulerSettings, out: Path, progress: bo
 
     path = out / "results.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
-    if saved.get("settings") != json.loads(json.dumps(asdict(settings))):  # as JSON keeps it: lists
+    if RulerSettings.saved_as(saved.get("settings", {})) != RulerSettings.saved_as(asdict(settings)):
         saved = {}
     records, prompts = saved.get("records", []), saved.get("samples", [])
     done = {(r["task"], r["length"], r["index"]) for r in records}

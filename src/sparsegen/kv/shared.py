@@ -65,9 +65,9 @@ class SharedPrefill:
         self._reconstructions: dict[tuple, list] = {}
 
     @torch.inference_mode()
-    def cache_for(self, policy: Policy, position: str | None = None) -> PolicyCache:
-        """A new cache, as `read(model, ids, make_cache(model, policy, position))` leaves it."""
-        cache = make_cache(self.model, policy.resolved(self.length), position=position)
+    def cache_for(self, policy: Policy, position: str | None = None, kv_bits: int | None = None) -> PolicyCache:
+        """A new cache, as `read(model, ids, make_cache(model, policy, position, kv_bits=...))` leaves it."""
+        cache = make_cache(self.model, policy.resolved(self.length), position=position, kv_bits=kv_bits)
         self.replay_into(cache)
         return cache
 
