@@ -181,6 +181,22 @@ def test_bench_kv_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_text, t
     assert (tmp_path / "bench_kv.png").exists() and "recompute / streaming" in out
 
 
+@pytest.mark.slow
+def test_bench_kv_bits_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_text, tmp_path):
+    args = ("--contexts", "48", "--policies", "streaming", "--kv-bits", "4", "--cache", "16", "--new-tokens", "4")
+    code, out, _ = run_cli(
+        monkeypatch, capsys, "bench", "kv-bits", "--model", tiny_folder, "--text", tiny_text, *args, "--out", tmp_path
+    )
+    assert code == 0
+    rows = json.loads((tmp_path / "bench_kv_bits.json").read_text())["rows"]
+    assert [(r["context"], r["policy"], r["kv"]) for r in rows] == [
+        (48, "streaming", "fp32"),
+        (48, "streaming", "int4"),
+    ]
+    assert rows[0]["vs_fp32_kv"] == 1.0 and all(r["ms"] > 0 and r["of_bound"] > 0 for r in rows)
+    assert rows[1]["kv_mb"] < rows[0]["kv_mb"] / 4 and "speed vs fp32 KV" in out
+
+
 def test_bench_gather_measures_each_kept_share_and_refuses_bad_shares(monkeypatch, capsys, tiny_folder, tmp_path):
     args = ("bench", "gather", "--model", tiny_folder, "--passes", "1", "--out", tmp_path)
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--kept", "1,0.5")

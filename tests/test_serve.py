@@ -356,14 +356,17 @@ def test_sampling_defaults_come_from_the_generation_config():
     assert sampling_defaults(model) == {"temperature": 0.3, "top_p": 0.9}
 
 
-def test_bench_load_sees_every_answer_equal_to_its_single_request_run():
+@pytest.mark.parametrize("spec", ["h2o:0.5", "h2o:0.5@4"])
+def test_bench_load_sees_every_answer_equal_to_its_single_request_run(spec):
     """`sparsegen bench serve`'s load generator: concurrent streamed clients, answers checked."""
     from sparsegen.bench.serve import ServeConfig, run_load, single_request_answers
 
     loaded = _loaded()
     prompts = [[5 + i for i in range(length)] for length in (3, 17, 40)]
-    config = ServeConfig.parse("h2o:0.5")
-    with live_server(loaded, config.policy, {"budget": config.budget}, prefill_chunk=8) as (url, _):
+    config = ServeConfig.parse(spec)
+    assert config.kv_bits == (4 if spec.endswith("@4") else None)
+    budget = {"budget": config.budget}
+    with live_server(loaded, config.policy, budget, prefill_chunk=8, kv_bits=config.kv_bits) as (url, _):
         point = run_load(url, "tiny", prompts, clients=3, requests=2, max_tokens=6)
     references = single_request_answers(*loaded, config, prompts, 6, chunk=8)
     assert len(point["answers"]) == 6

@@ -23,9 +23,19 @@ from sparsegen.report import markdown_table, run_meta
 
 
 def _fast_worker(
-    model_name, text, context, new_tokens, dtype, policy, budget, rows, threads, device: str | None = None
+    model_name,
+    text,
+    context,
+    new_tokens,
+    dtype,
+    policy,
+    budget,
+    rows,
+    threads,
+    device: str | None = None,
+    kv_bits: int | None = None,
 ) -> dict:
-    """Per-step time of the fast path after `context` tokens per row."""
+    """Per-step time of the fast path after `context` tokens per row (KV in `kv_bits` if given)."""
     from sparsegen.bench.measure import peak_rss_mb
     from sparsegen.decode import generate
     from sparsegen.loading import load
@@ -33,7 +43,8 @@ def _fast_worker(
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, dtype=DTYPES[dtype], device=device)
     prompts = text_stretches(tokenizer, text, rows, context)
-    out = generate(model, prompts, new_tokens, policy=policy, compile="always", eos_token_id=[], **budget)
+    options = {"compile": "always", "eos_token_id": [], "kv_bits": kv_bits}
+    out = generate(model, prompts, new_tokens, policy=policy, **options, **budget)
     held = context if policy == "full" else min(context, sum(budget.values()))
     return {
         "ms": out.ms_per_step,
@@ -42,7 +53,7 @@ def _fast_worker(
         "prefill_s": out.prefill_s,
         "rss": peak_rss_mb(),
         "weight_mb": weight_bytes(model) / 1e6,
-        "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, torch.float32) / 1e6,
+        "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, kv_bits=kv_bits) / 1e6,
     }
 
 
@@ -267,15 +278,16 @@ def bench_throughput(
     out: Path = Path("results/bench_throughput"),
     progress=print,
     device: str | None = None,
+    kv_bits: tuple[int, ...] = (),
 ) -> dict:
     """H2O's headline experiment: in one KV memory budget, the largest batch that fits for dense,
     h2o (heavy + recent = 2 x `heavy_share` of the prompt), and streaming of the same size; then
-    tokens/s of each at that batch."""
+    tokens/s of each at that batch. Each of `kv_bits` adds the three with their KV in those bits."""
     from sparsegen.loading import load
 
     threads = threads or torch.get_num_threads()
     model, _ = load(model_name, device=device)
-    per_token = kv_bytes_per_token(model, torch.float32)
+    per_token = {bits: kv_bytes_per_token(model, kv_bits=bits) for bits in (None, *kv_bits)}
     del model
     share = int(heavy_share * prompt)
     configs = [
@@ -284,16 +296,16 @@ def bench_throughput(
         (f"streaming 4+{2 * share - 4}", "streaming", {"sinks": 4, "recent": 2 * share - 4}, 2 * share + 1),
     ]
     rows = []
-    for label, policy, budget, slots in configs:
-        batch = min(max_batch, int(kv_mb * 1e6 // (slots * per_token)))
+    for bits, (label, policy, budget, slots) in ((bits, c) for bits in per_token for c in configs):
+        label += "" if bits is None else f", KV int{bits}"
+        batch = min(max_batch, int(kv_mb * 1e6 // (slots * per_token[bits])))
         if batch < 1:
             rows.append({"config": label, "batch": 0})
             continue
         progress(f"{label}: batch {batch}")
-        result = _in_process(
-            _fast_worker, model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads, device=device
-        )
-        rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * slots * per_token / 1e6})
+        worker_args = (model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads)
+        result = _in_process(_fast_worker, *worker_args, device=device, kv_bits=bits)
+        rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * slots * per_token[bits] / 1e6})
     meta = run_meta(model=model_name, text=text, prompt=prompt, new_tokens=new_tokens, kv_budget_mb=kv_mb)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_throughput.json", {"meta": meta, "rows": rows})

@@ -44,21 +44,27 @@ COLUMNS = [
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """One server to measure: `label`, its KV `policy` and `budget`, and optionally the `src`
-    folder of another checkout whose server is measured instead (a baseline)."""
+    """One server to measure: `label`, its KV `policy`, `budget` and `kv_bits`, and optionally
+    the `src` folder of another checkout whose server is measured instead (a baseline)."""
 
     label: str
     policy: str
     budget: int | float | None = None
     src: Path | None = None
+    kv_bits: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> ServeConfig:
-        """`full`, `h2o:0.2` (a share of each prompt) or `streaming:256` (tokens)."""
+        """`full`, `h2o:0.2` (a share of each prompt) or `streaming:256` (tokens), each with
+        `@4` or `@8` for its KV in that many bits (`full@4`, `streaming:256@8`)."""
         from sparsegen.kv.policy import count_or_share
+        from sparsegen.kv.quantized import checked_bits
 
-        policy, _, budget = spec.partition(":")
-        return cls(spec, policy, count_or_share(budget or None))
+        setting, _, bits = spec.partition("@")
+        if bits and not bits.isdigit():
+            raise SparsegenError(f"{spec!r}: the bits after @ are 8 or 4, as in full@4")
+        policy, _, budget = setting.partition(":")
+        return cls(spec, policy, count_or_share(budget or None), kv_bits=checked_bits(int(bits) if bits else None))
 
 
 def configs_to_measure(specs: str, baseline_src: Path | None = None) -> list[ServeConfig]:
@@ -91,6 +97,8 @@ def start_server(config: ServeConfig, model: str, port: int, options: list[str])
     command += ["--policy", config.policy, "--port", str(port), *options]
     if config.budget is not None:
         command += ["--budget", str(config.budget)]
+    if config.kv_bits is not None:
+        command += ["--kv-bits", str(config.kv_bits)]
     env = dict(os.environ)
     if config.src is not None:
         env["PYTHONPATH"] = f"{config.src}{os.pathsep}{env.get('PYTHONPATH', '')}"
@@ -201,10 +209,11 @@ def single_request_answers(model, tokenizer, config: ServeConfig, prompts, max_t
     """What `sparsegen.generate` answers to each prompt alone (greedy, the server's prefill chunk)."""
     from sparsegen.decode import generate
 
-    budget = {} if config.budget is None else {"budget": config.budget}
+    options = {"compile": "never", "prefill_chunk": chunk, "kv_bits": config.kv_bits}
+    options |= {} if config.budget is None else {"budget": config.budget}
     answers = []
     for ids in prompts:
-        made = generate(model, [ids], max_tokens, config.policy, compile="never", prefill_chunk=chunk, **budget)
+        made = generate(model, [ids], max_tokens, config.policy, **options)
         answers.append(tokenizer.decode(made.tokens[0], skip_special_tokens=True))
     return answers
 

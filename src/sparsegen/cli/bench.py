@@ -15,7 +15,9 @@ def bench_serve_command(
     model: str = ModelOpt,
     text: str = typer.Option("shakespeare", "--text"),
     configs: str = typer.Option(
-        "full,h2o:0.2,streaming:0.2", "--configs", help="Servers to measure: policy or policy:budget, comma-separated."
+        "full,h2o:0.2,streaming:0.2",
+        "--configs",
+        help="Servers to measure: policy or policy:budget, @4 or @8 for KV bits (full@4), comma-separated.",
     ),
     baseline_src: Path | None = typer.Option(
         None,
@@ -87,37 +89,6 @@ def bench_soak_command(
     out.print(f"wrote {out_dir}/bench_soak.json")
 
 
-@bench_app.command("kv")
-def bench_kv_command(
-    model: str = ModelOpt,
-    text: str = typer.Option("shakespeare", "--text"),
-    sizes: str = typer.Option("256,1024,2048", "--sizes", help="Cache sizes W, comma-separated."),
-    context: int = typer.Option(4096, "--context", help="Tokens before decoding starts."),
-    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens decoded per measurement."),
-    stream_tokens: str = typer.Option("", "--stream-tokens", help="Also record RSS along streams of these lengths."),
-    also: str = typer.Option("", "--also", help="Other policies to time at each cache size, e.g. h2o,window."),
-    out_dir: Path = typer.Option(Path("results/bench_kv"), "--out"),
-    device: str | None = DeviceOpt,
-) -> None:
-    """Per-token latency and peak RSS vs cache size: streaming, re-computation, dense."""
-    from sparsegen.bench.kv import bench_kv
-
-    result = bench_kv(
-        model,
-        text,
-        tuple(int(s) for s in sizes.split(",")),
-        context,
-        new_tokens,
-        stream_tokens=tuple(int(s) for s in stream_tokens.split(",") if s),
-        out=out_dir,
-        progress=lambda msg: err.print(f"[dim]{msg}[/]"),
-        also=tuple(p for p in also.split(",") if p),
-        device=device,
-    )
-    out.print((out_dir / "bench_kv.md").read_text())
-    out.print(f"wrote {out_dir}/bench_kv.md, .json, .png ({len(result['rows'])} cache sizes)")
-
-
 @bench_app.command("decode")
 def bench_decode_command(
     model: str = ModelOpt,
@@ -156,37 +127,6 @@ def bench_decode_command(
     )
     out.print((out_dir / "bench_decode.md").read_text())
     out.print(f"wrote {out_dir}/bench_decode.md and .json")
-
-
-@bench_app.command("throughput")
-def bench_throughput_command(
-    model: str = ModelOpt,
-    text: str = typer.Option("shakespeare", "--text"),
-    prompt: int = typer.Option(1024, "--prompt", help="Prompt tokens per row."),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per row."),
-    kv_mb: float = typer.Option(256.0, "--kv-mb", help="KV memory budget shared by the batch, MB."),
-    heavy_share: float = typer.Option(0.1, "--heavy-share", help="h2o heavy (= recent) share of the prompt."),
-    max_batch: int = typer.Option(32, "--max-batch", help="Largest batch tried."),
-    out_dir: Path = typer.Option(Path("results/bench_throughput"), "--out"),
-    device: str | None = DeviceOpt,
-) -> None:
-    """Throughput in a fixed KV memory: the largest batch dense, h2o and streaming fit, and tokens/s."""
-    from sparsegen.bench.decode import bench_throughput
-
-    bench_throughput(
-        model,
-        text,
-        prompt,
-        new_tokens,
-        kv_mb,
-        heavy_share,
-        max_batch,
-        out=out_dir,
-        progress=lambda m: err.print(f"[dim]{m}[/]"),
-        device=device,
-    )
-    out.print((out_dir / "bench_throughput.md").read_text())
-    out.print(f"wrote {out_dir}/bench_throughput.md and .json")
 
 
 @bench_app.command("prune")
