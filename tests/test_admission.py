@@ -17,7 +17,7 @@ def _job(prompt: int, max_tokens: int, policy: str = "streaming", **budget) -> J
 def test_jobs_are_admitted_in_order_while_their_kv_fits_and_released_jobs_free_it():
     store = ConversationStore()
     admission = Admission(
-        max_kv_bytes=100, bytes_per_token={None: 1}, max_queue=3, conversations=store, metrics=Metrics()
+        max_kv_bytes=100, row_bytes=lambda tokens, bits: tokens, max_queue=3, conversations=store, metrics=Metrics()
     )
     bounded, whole = _job(500, 20, sinks=4, recent=35), _job(30, 20, "full")  # 40 tokens + 1, 50
     later = _job(10, 5, "full")
@@ -36,7 +36,7 @@ def test_jobs_are_admitted_in_order_while_their_kv_fits_and_released_jobs_free_i
 def test_held_conversations_make_room_least_recently_kept_first_and_the_queue_is_bounded():
     store = ConversationStore()
     admission = Admission(
-        max_kv_bytes=100, bytes_per_token={None: 1}, max_queue=1, conversations=store, metrics=Metrics()
+        max_kv_bytes=100, row_bytes=lambda tokens, bits: tokens, max_queue=1, conversations=store, metrics=Metrics()
     )
     old, new = Conversation(cache=None, text="a", nbytes=40), Conversation(cache=None, text="b", nbytes=40)
     store.keep(old)
@@ -56,11 +56,13 @@ def test_held_conversations_make_room_least_recently_kept_first_and_the_queue_is
 
 
 def test_rows_holding_kv_in_fewer_bits_are_counted_at_their_bytes():
-    """The same KV memory admits as many more rows as each one's bytes are fewer."""
-    per_token = {None: 12, 8: 5, 4: 3}  # e.g. fp32, int8 and int4 per-token rows with their scales
+    """The same KV memory admits as many more rows as each one's bytes are fewer (rounded rows
+    count their ring of full-precision newest tokens too)."""
+    per_token, ring = {None: 12, 8: 5, 4: 3}, {None: 0, 8: 24, 4: 24}  # e.g. fp32, int8, int4 with scales
     counts = {}
     for bits in per_token:
-        admission = Admission(1000, per_token, max_queue=64, conversations=ConversationStore(), metrics=Metrics())
+        row_bytes = lambda tokens, bits: tokens * per_token[bits] + ring[bits]  # noqa: E731
+        admission = Admission(1000, row_bytes, max_queue=64, conversations=ConversationStore(), metrics=Metrics())
         for _ in range(30):
             job = _job(20, 5, "full")
             job.kv_bits = bits
@@ -69,4 +71,4 @@ def test_rows_holding_kv_in_fewer_bits_are_counted_at_their_bytes():
         while admission.admit_next() is not None:
             pass
         counts[bits] = len(admission.admitted)
-    assert counts == {None: 3, 8: 8, 4: 13}  # 25 tokens of 12, 5 and 3 bytes in 1000
+    assert counts == {None: 3, 8: 6, 4: 10}  # rows of 25 tokens: 300, 149 and 99 bytes in 1000

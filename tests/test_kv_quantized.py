@@ -9,7 +9,8 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
-from sparsegen.kv.quantized import KVCodec
+from sparsegen.kv.quantized import RESIDUAL, KVCodec
+from sparsegen.models import kv_bytes_per_token, kv_ring_bytes
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE, generate_drop_in
 
@@ -71,43 +72,51 @@ def test_8_bit_kv_keeps_every_policys_greedy_tokens(arch, policy):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_full_cache_in_bits_equals_transformers_cache_rounded_after_each_forward(bits):
     """The reference of the arithmetic: a plain `DynamicCache` whose held keys and values are
-    rounded through the codec after every forward (each forward reading its own tokens
-    unrounded) gives the same logits, step by step."""
+    rounded through the codec after every forward, all but the newest RESIDUAL tokens (each
+    forward reading its own tokens unrounded), gives the same logits, step by step."""
     model = build_tiny("qwen2")
-    ids = _prompt(30)[0].tolist()
+    ids = _prompt(90)[0].tolist()
     codec = KVCodec.for_dim(bits, model.config.hidden_size // model.config.num_attention_heads)
     decoder = Decoder(model, "full", compile="never", kv_bits=bits)
     with policy_attention(model), torch.inference_mode():
-        logits = [decoder.start([ids[:12]], 32)[0]]
-        for token in ids[12:-1]:
+        logits = [decoder.start([ids[:40]], 64)[0]]
+        for token in ids[40:-1]:
             logits.append(decoder.step(torch.tensor([token]))[0])
-    cache, reference = DynamicCache(config=model.config), []
+    cache, reference, exact = DynamicCache(config=model.config), [], {}
     with torch.inference_mode():
-        for chunk in [ids[:12]] + [[token] for token in ids[12:-1]]:
+        for chunk in [ids[:40]] + [[token] for token in ids[40:-1]]:
             reference.append(model(torch.tensor([chunk]), cache=cache).logits[0, -1])
-            for layer in cache.layers:
-                layer.keys, layer.values = (
-                    codec.decode(codec.encode(layer.keys)),
-                    codec.decode(codec.encode(layer.values)),
-                )
+            for index, layer in enumerate(cache.layers):
+                for name in ("keys", "values"):
+                    held = (
+                        torch.cat([exact[index, name], getattr(layer, name)[:, :, -len(chunk) :]], 2)
+                        if (index, name) in exact
+                        else getattr(layer, name)
+                    )
+                    exact[index, name] = held
+                    kept = RESIDUAL - 1  # with the next forward's own token, the newest RESIDUAL are exact
+                    rounded = codec.decode(codec.encode(held[:, :, :-kept]))
+                    setattr(layer, name, torch.cat([rounded, held[:, :, -kept:]], 2))
     torch.testing.assert_close(torch.stack(logits), torch.stack(reference), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits, per_vector", [(None, 64), (8, 20), (4, 12)])
 def test_kv_bytes_count_the_rounded_bytes(bits, per_vector):
     """Tiny heads have 16 numbers: 64 bytes in fp32, 16 + 4 in int8, 8 + 4 in int4 (one group's
-    fp16 scale and minimum)."""
+    fp16 scale and minimum); rounded caches also hold the ring of the newest RESIDUAL in fp32."""
     model = build_tiny("llama")
     with policy_attention(model), torch.inference_mode():
         cache = make_cache(model, "h2o", budget=10, kv_bits=bits)
         model(_prompt(30), cache=cache)
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    ring = 0 if bits is None else RESIDUAL * 64
     assert cache.physical_length() == 10
-    assert cache.kv_bytes() == layers * 2 * kv_heads * 10 * per_vector
+    assert cache.kv_bytes() == layers * 2 * kv_heads * (10 * per_vector + ring)
+    assert cache.kv_bytes() == 10 * kv_bytes_per_token(model, kv_bits=bits) + kv_ring_bytes(model, bits)
     decoder = Decoder(model, "h2o", compile="never", kv_bits=bits, budget=10)
     with policy_attention(model):
         decoder.start([_prompt(30)[0].tolist()], 4)
-    assert decoder.state.kv_bytes() == layers * 2 * kv_heads * 11 * per_vector  # the budget plus the token in flight
+    assert decoder.state.kv_bytes() == layers * 2 * kv_heads * (11 * per_vector + ring)  # + the token in flight
 
 
 def test_a_held_conversation_continues_in_its_bits_and_checkpoints_round_trip():
@@ -123,7 +132,7 @@ def test_a_held_conversation_continues_in_its_bits_and_checkpoints_round_trip():
         for token in first.tokens[0][:-1]:
             decoder.step(torch.tensor([token]))
         held = decoder.hand_back(0)
-    assert held.kv_bytes() == held.physical_length() * 3 * 2 * 2 * 12  # layers, keys and values, KV heads, int4 bytes
+    assert held.kv_bytes() == held.physical_length() * kv_bytes_per_token(model, kv_bits=4) + kv_ring_bytes(model, 4)
     rest = generate(
         model,
         [first.tokens[0][-1:]],

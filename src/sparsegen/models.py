@@ -54,6 +54,19 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float3
     return 2 * config.num_hidden_layers * heads * vector
 
 
+def kv_ring_bytes(model: torch.nn.Module, kv_bits: int | None, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the full-precision ring of newest tokens a row rounded to `kv_bits` keeps beside
+    its slots (`kv.quantized.RESIDUAL` tokens in `dtype`); none at full precision."""
+    from sparsegen.kv.quantized import RESIDUAL
+
+    return 0 if kv_bits is None else RESIDUAL * kv_bytes_per_token(model, dtype)
+
+
+def kv_row_bytes(model: torch.nn.Module, tokens: int, kv_bits: int | None = None) -> int:
+    """Bytes of KV a row holding `tokens` takes in the decoder's slots (fp32, or `kv_bits` plus its ring)."""
+    return tokens * kv_bytes_per_token(model, kv_bits=kv_bits) + kv_ring_bytes(model, kv_bits)
+
+
 def dtype_named(name: str, option: str = "dtype") -> torch.dtype:
     """A dtype by its short name (fp32, bf16, fp16) or torch's (float32, bfloat16, float16), as the
     CLI and lm-eval's `dtype=` give them."""

@@ -18,12 +18,13 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
-from sparsegen.kv.quantized import KVCodec
+from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
-from sparsegen.kv.slots import EMPTY, HeldSlots
+from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer, take_slots
 from sparsegen.kv.window import WindowPolicy
 
 DEAD = -2
+RING = ("recent_keys", "recent_values")
 
 
 def scores_of(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,9 @@ class LayerState:
     `evicting` layers score and evict each step; the others keep every token (dense, or a
     prefill-only policy after its compression). `rotation` is set for rolling positions;
     `sinks` > 0 with `contiguous` rotates only slots [0, sinks), which hold the first tokens.
-    With a `codec`, keys and values are its byte rows, decoded for each step's attention.
+    With a `codec`, keys and values are its byte rows, decoded for each step's attention, and
+    `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of each row's newest tokens at full
+    precision (`kv.quantized`).
     """
 
     policy: Policy
@@ -65,12 +68,18 @@ class LayerState:
     contiguous: bool = False
     sinks: int = 0
     codec: KVCodec | None = None
+    recent_keys: torch.Tensor | None = None
+    recent_values: torch.Tensor | None = None
 
-    _ROWS = ("keys", "values", "positions", "scores", "slot")
+    @property
+    def per_row(self) -> tuple[str, ...]:
+        """The names of the tensors with a row per batch row."""
+        rows = ("keys", "values", "positions", "scores", "slot")
+        return rows if self.codec is None else (*rows, *RING)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices, in that order): rows leave the batch between steps."""
-        for name in self._ROWS:
+        for name in self.per_row:
             setattr(self, name, getattr(self, name)[rows].contiguous())
         self.sizes = Sizes(*(getattr(self.sizes, part)[rows] for part in PARTS))
 
@@ -93,7 +102,7 @@ class LayerState:
         capacity = max(self.keys.shape[2], other.keys.shape[2])
         self.grow(capacity)
         other.grow(capacity)
-        for name in self._ROWS:
+        for name in self.per_row:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.sizes = Sizes(*(torch.cat([getattr(self.sizes, p), getattr(other.sizes, p)]) for p in PARTS))
         self.sinks = max(self.sinks, other.sinks)
@@ -108,8 +117,11 @@ class LayerState:
             if self.codec is None:
                 keys, values = keys.to(dtype), values.to(dtype)
             positions, scores = self.positions[index], self.scores[index]
-            held = HeldSlots(keys, values, positions, scores, self.policy, sizes, self.evicting, codec=self.codec)
-            layer.take_slots(held, seen, dtype)
+            ring = {} if self.codec is None else {name: getattr(self, name)[index] for name in RING}
+            held = HeldSlots(
+                keys, values, positions, scores, self.policy, sizes, self.evicting, codec=self.codec, **ring
+            )
+            take_slots(layer, held, seen, dtype)
             return
         # a sliding-window layer holds its live tokens in position order
         live = self.positions[row] >= 0
@@ -133,21 +145,24 @@ class LayerState:
     def write(self, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
         """Put the new token's key/value [b, h, 1, d] at `position` [b] into each row's free slot."""
         b, h = key.shape[:2]
+        if self.codec is not None:
+            at = position.view(b, 1, 1).expand(b, h, 1)
+            remember(self.recent_keys, key, at)
+            remember(self.recent_values, value, at)
         key, value = self._stored(key, self.keys), self._stored(value, self.values)
         self.keys.scatter_(2, self.slot.unsqueeze(-1).expand(b, h, 1, key.shape[3]), key)
         self.values.scatter_(2, self.slot.unsqueeze(-1).expand(b, h, 1, value.shape[3]), value)
         self.positions.scatter_(2, self.slot, position.view(b, 1, 1).expand(b, h, 1))
         self.scores.scatter_(2, self.slot, 0.0)
 
-    def read(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot's key and value as numbers: the buffers themselves, or decoded with the
-        token just written (`key`, `value` [b, h, 1, d]) at full precision, as a forward reads
-        its own tokens (`kv.quantized`)."""
+    def read(self, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's key and value as numbers: the buffers themselves, or decoded with each
+        row's newest tokens (of `seen` [b, 1, 1]; the one just written among them) from the ring
+        at full precision (`kv.quantized`)."""
         if self.codec is None:
             return self.keys, self.values
-        keys, values = self.codec.decode(self.keys), self.codec.decode(self.values)
-        index = self.slot.unsqueeze(-1).expand(*key.shape)
-        return keys.scatter_(2, index, key.float()), values.scatter_(2, index, value.float())
+        keys = with_residual(self.codec.decode(self.keys), self.positions, seen, self.recent_keys)
+        return keys, with_residual(self.codec.decode(self.values), self.positions, seen, self.recent_values)
 
     def logits(
         self, query: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, scaling: float
@@ -170,16 +185,13 @@ class LayerState:
         keys = self.rotation.rotate(keys, delta)
         return scores_of(query, keys) * scaling, keys
 
-    def attend(
-        self, query: torch.Tensor, scaling: float, seen: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scaling: float, seen: torch.Tensor) -> torch.Tensor:
         """Attention of the new queries [b, hq, 1, d] over the live slots, then the policy's step.
-        `seen` [b, 1, 1] counts each row's tokens including the new one, whose `key` and `value`
-        `write` has just stored. Returns [b, 1, hq, d]."""
+        `seen` [b, 1, 1] counts each row's tokens including the new one. Returns [b, 1, hq, d]."""
         b, hq, _, d = query.shape
         h = self.keys.shape[1]
         grouped = query.view(b, h, hq // h, d)
-        keys, values = self.read(key, value)
+        keys, values = self.read(seen)
         logits, keys = self.logits(grouped, keys, seen, scaling)
         live = self.positions >= 0
         probs = logits.masked_fill(~live.unsqueeze(2), float("-inf")).softmax(-1)
@@ -247,13 +259,14 @@ class StaticKV:
         if not self.seen.is_cuda:
             return
         for layer in self.layers:
-            for name in LayerState._ROWS:
+            for name in layer.per_row:
                 torch._dynamo.mark_static_address(getattr(layer, name), guard=False)
         torch._dynamo.mark_static_address(self.seen, guard=False)
 
     def kv_bytes(self) -> int:
         """Bytes of the preallocated key and value buffers (all rows, all slots)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+        held = [(layer.keys, layer.values, layer.recent_keys, layer.recent_values) for layer in self.layers]
+        return sum(t.numel() * t.element_size() for tensors in held for t in tensors if t is not None)
 
     def live_tokens(self) -> torch.Tensor:
         """Tokens held per row after the last step's eviction, in the first layer."""
@@ -266,7 +279,7 @@ class StaticKV:
 def slots_of(layer: CacheLayerMixin) -> HeldSlots:
     """One prefilled cache layer as slots: a policy layer's own, or a sliding-window layer's."""
     if isinstance(layer, PolicyLayer):
-        return layer.to_slots()
+        return slots_of_layer(layer)
     # transformers' sliding-window layer (Gemma 3): the newest `sliding_window - 1` tokens
     held = layer.keys.shape[2]
     window = layer.sliding_window - 1
@@ -333,4 +346,5 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> Layer
         contiguous=policy.contiguous,
         sinks=max(s.sinks for s in budgets),
         codec=codec,
+        **({} if codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}),
     )

@@ -72,7 +72,7 @@ def _make_attention(base):
         if static_kv is not None:
             state = static_kv.layers[module.layer_idx]
             state.write(key, value, static_kv.seen - 1)
-            return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1), key, value), None
+            return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
         if policy_layer is not None and policy_layer.head_of is not None:  # heads of different lengths
             out = policy_layer.attend_flat(query, key, value, scaling)
             policy_layer.after_attention(query, key, scaling, values=value)

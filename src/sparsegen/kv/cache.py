@@ -14,16 +14,9 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import ragged
 from sparsegen.kv.policy import KEEP, Policy, Sizes, Step
-from sparsegen.kv.quantized import KVCodec
+from sparsegen.kv.quantized import RESIDUAL, KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
-from sparsegen.kv.slots import EMPTY, HeldSlots, room_for
-
-
-def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """buffer [b, h, n, ...] gathered along dim 2 by index [b, h, m]."""
-    if buffer.dim() == 4:
-        index = index.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])
-    return buffer.gather(2, index)
+from sparsegen.kv.slots import gather_slots, room_for
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -40,7 +33,7 @@ class PolicyLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
-    _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys", "head_of")
+    _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys", "head_of", "recent_keys", "recent_values")
 
     def __init__(
         self,
@@ -69,6 +62,8 @@ class PolicyLayer(CacheLayerMixin):
         self.scores: torch.Tensor | None = None
         self.sink_keys: torch.Tensor | None = None
         self.head_of: torch.Tensor | None = None
+        self.recent_keys: torch.Tensor | None = None  # with a codec: the newest tokens at full precision
+        self.recent_values: torch.Tensor | None = None
         self.kv_heads = 0
         self.check_padding = True
         self.new_tokens = 0
@@ -83,6 +78,9 @@ class PolicyLayer(CacheLayerMixin):
         self.values = self._stored(value_states[:, :, :0])
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
         self.scores = torch.empty(b, h, 0, dtype=torch.float32, device=self.device)
+        if self.codec is not None:
+            self.recent_keys = key_states.new_zeros(b, h, RESIDUAL, key_states.shape[-1])
+            self.recent_values = value_states.new_zeros(b, h, RESIDUAL, value_states.shape[-1])
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -99,14 +97,16 @@ class PolicyLayer(CacheLayerMixin):
             self.sizes = self._resolve_sizes(self.cumulative_length + n - self.pinned)
         new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
         new_positions = new_positions.expand(*key_states.shape[:2], n)
-        stored_keys, stored_values, filled = self._stored(key_states), self._stored(value_states), None
+        stored_keys, stored_values = self._stored(key_states), self._stored(value_states)
+        if self.codec is not None:
+            remember(self.recent_keys, key_states, new_positions)
+            remember(self.recent_values, value_states, new_positions)
         if self.head_of is not None:
             key_states, value_states = ragged.spread(key_states), ragged.spread(value_states)
             self._append(ragged.spread(stored_keys), ragged.spread(stored_values), ragged.spread(new_positions))
             size, b = self.size, stored_keys.shape[0]
             self.head_of[:, :, size - n * self.kv_heads : size] = ragged.new_head_tags(b, self.kv_heads, n, self.device)
         elif self.hole is not None and n == 1:
-            filled = self.hole
             self._fill_hole(stored_keys, stored_values, new_positions)
         else:
             if self.hole is not None:
@@ -114,26 +114,25 @@ class PolicyLayer(CacheLayerMixin):
             self._append(stored_keys, stored_values, new_positions)
         self.cumulative_length += n
         self.new_tokens = n
-        keys = self._keys_for_attention(self._read(self.keys, key_states, filled))
-        return keys, self._read(self.values, value_states, filled)
+        keys = self._keys_for_attention(self._read(self.keys, self.recent_keys, key_states))
+        return keys, self._read(self.values, self.recent_values, value_states)
 
     def _stored(self, states: torch.Tensor) -> torch.Tensor:
         """Keys or values [b, h, n, d] as held: the codec's byte rows, or the numbers themselves."""
         return states if self.codec is None else self.codec.encode(states)
 
-    def _read(self, buffer: torch.Tensor, new: torch.Tensor | None, filled: torch.Tensor | None) -> torch.Tensor:
-        """The held part of `buffer` as numbers. Held in a codec, it is decoded and this call's own
-        tokens `new` (in slot `filled`, else the last slots) are put back at full precision: a
-        forward attends to its own tokens unrounded, as KIVI's full-precision residual does."""
+    def _read(self, buffer: torch.Tensor, recent: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor:
+        """The held part of `buffer` as numbers. Held in a codec, it is decoded with the newest
+        tokens read from the `recent` ring (`kv.quantized`); this call's own tokens `new`, when
+        more than the ring holds (a prompt chunk), are put back at full precision from `new`."""
         held = buffer[:, :, : self.size]
         if self.codec is None:
             return held
-        held = self.codec.decode(held, self.dtype)
-        if new is None:
-            return held
-        if filled is not None:
-            return held.scatter(2, filled.unsqueeze(-1).expand_as(new), new.to(held.dtype))
-        held[:, :, self.size - new.shape[2] :] = new
+        head_of = None if self.head_of is None else self.head_of[:, :, : self.size]
+        positions = self.positions[:, :, : self.size]
+        held = with_residual(self.codec.decode(held, self.dtype), positions, self.cumulative_length, recent, head_of)
+        if new is not None and new.shape[2] > RESIDUAL:  # the new tokens are the last slots
+            held[:, :, self.size - new.shape[2] :] = new
         return held
 
     def _resolve_sizes(self, prompt_length: int) -> Sizes | None:
@@ -206,49 +205,6 @@ class PolicyLayer(CacheLayerMixin):
                 if tensor is not None:
                     setattr(self, name, tensor.index_select(0, index.to(tensor.device)))
 
-    # -- the hand-over to and from the fast path's slots ------------------------------------
-    def to_slots(self) -> HeldSlots:
-        """What this layer holds, as slots (heads of different counts padded with free slots)."""
-        if self.head_of is not None:
-            fills = {"keys": 0.0, "values": 0.0, "positions": EMPTY, "scores": 0.0}
-            slots = ragged.unpack(self.held_slots(), self.head_of[:, :, : self.size], self.kv_heads, fills)
-            return HeldSlots(
-                **slots, policy=self.policy, sizes=self.sizes, evicting=False, rotation=self.rotation, codec=self.codec
-            )
-        held = self.size + (self.hole is not None)
-        keys = self.keys[:, :, :held].clone()
-        positions = self.positions[:, :, :held].clone()
-        if self.hole is not None:
-            positions.scatter_(2, self.hole, EMPTY)
-        if self.sink_keys is not None and self.codec is None:  # rolling sinks were rotated in place: restore them
-            keys[:, :, : self.sink_keys.shape[2]] = self.sink_keys
-        evicting = self.sizes is not None and not self.compressed
-        sizes = self.sizes or Sizes()
-        values, scores = self.values[:, :, :held], self.scores[:, :, :held]
-        return HeldSlots(keys, values, positions, scores, self.policy, sizes, evicting, self.rotation, self.codec)
-
-    def take_slots(self, slots: HeldSlots, seen: int, dtype: torch.dtype) -> None:
-        """Hold one row's `slots` after `seen` tokens (a conversation the fast path hands back),
-        read back in `dtype`: the live slots in slot order, which keeps a contiguous policy's
-        sinks first; heads that hold different counts are packed flat."""
-        if slots.codec != self.codec:
-            raise SparsegenError(f"slots held in {slots.codec} cannot continue in a cache of {self.codec}")
-        live = slots.positions[0] >= 0
-        self.kv_heads, self.dtype, self.device = live.shape[0], dtype, slots.keys.device
-        self.is_initialized, self.cumulative_length, self.check_padding = True, seen, False
-        bounded = bool(self.policy.budget_parts())
-        self.sizes = slots.sizes if bounded else None
-        self.compressed = bounded and not slots.evicting
-        tensors = {"keys": slots.keys, "values": slots.values, "positions": slots.positions, "scores": slots.scores}
-        counts = live.sum(-1)
-        if bool((counts != counts[0]).any()):
-            self.hold_packed(ragged.pack(tensors, live[None]))
-            return
-        order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[None, :, : int(counts[0])]
-        for name, tensor in tensors.items():
-            setattr(self, name, _gather(tensor, order))
-        self.size = int(counts[0])
-
     # -- policy mechanics -------------------------------------------------------------------
     @property
     def capacity(self) -> int:
@@ -278,7 +234,7 @@ class PolicyLayer(CacheLayerMixin):
             if old is None:
                 continue
             new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
-            new[:, :, :kept] = _gather(old, index)
+            new[:, :, :kept] = gather_slots(old, index)
             setattr(self, name, new)
         self.size = kept
 
@@ -322,7 +278,7 @@ class PolicyLayer(CacheLayerMixin):
         step = Step(
             positions=self.positions[:, :, held],
             keys=keys,
-            values=self._read(self.values, None, None) if values is None else values,
+            values=self._read(self.values, self.recent_values, None) if values is None else values,
             scores=self.scores[:, :, held],
             query=query,
             scaling=scaling,

@@ -45,6 +45,8 @@ class PolicyCache(Cache):
             held = layer.size if isinstance(layer, PolicyLayer) else layer.keys.shape[-2]
             for tensor in (layer.keys, layer.values):
                 total += tensor[:, :, :held].numel() * tensor.element_size()
+            for ring in (getattr(layer, "recent_keys", None), getattr(layer, "recent_values", None)):
+                total += 0 if ring is None else ring.numel() * ring.element_size()
         return total
 
     def state_dict(self) -> dict:
@@ -73,6 +75,8 @@ _POLICY_STATE = (
     "hole",
     "sink_keys",
     "head_of",
+    "recent_keys",
+    "recent_values",
     "kv_heads",
     "cumulative_length",
     "size",
@@ -105,7 +109,7 @@ def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
     if state.get("kv_bits") != bits:
         raise SparsegenError(f"this checkpoint holds KV in {state.get('kv_bits')} bits, this cache in {bits}")
     for name in _POLICY_STATE:
-        setattr(layer, name, state[name])
+        setattr(layer, name, state.get(name))  # the ring is absent from checkpoints that predate it
     layer.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
     layer.awaiting_attention = False
     if layer.keys is not None:

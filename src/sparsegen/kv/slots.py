@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import ragged
 from sparsegen.kv.policy import Policy, Sizes
 from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
+
+if TYPE_CHECKING:
+    from sparsegen.kv.cache import PolicyLayer
 
 EMPTY = -1
 """The position of a free slot in `HeldSlots` (and the fast path's buffers)."""
@@ -20,7 +26,8 @@ class HeldSlots:
 
     keys, values [b, h, n, d]; positions [b, h, n], `EMPTY` where a slot is free; scores [b, h, n].
     How the layer goes on: its policy, its resolved sizes, whether it still evicts while decoding,
-    and the rotation of rolling positions. With a `codec`, keys and values are its byte rows.
+    and the rotation of rolling positions. With a `codec`, keys and values are its byte rows and
+    `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of the newest at full precision.
     """
 
     keys: torch.Tensor
@@ -32,9 +39,66 @@ class HeldSlots:
     evicting: bool
     rotation: KeyRotation | None = None
     codec: KVCodec | None = None
+    recent_keys: torch.Tensor | None = None
+    recent_values: torch.Tensor | None = None
 
 
 def room_for(budget: int) -> int:
     """Slots a layer that keeps every new token holds free beyond what it holds (a sixteenth, so
     its buffers stay within about 6% of its tokens' bytes; decoding past it grows them)."""
     return max(1, budget // 16)
+
+
+def gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """buffer [b, h, n, ...] gathered along dim 2 by index [b, h, m]."""
+    if buffer.dim() == 4:
+        index = index.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])
+    return buffer.gather(2, index)
+
+
+def _storage(layer: PolicyLayer) -> dict:
+    """How a layer's slots are read: rolled, decoded, the ring of the newest (`HeldSlots`' last fields)."""
+    ring = {"recent_keys": layer.recent_keys, "recent_values": layer.recent_values}
+    return {"rotation": layer.rotation, "codec": layer.codec, **ring}
+
+
+def slots_of_layer(layer: PolicyLayer) -> HeldSlots:
+    """What a policy layer holds, as slots (heads of different counts padded with free slots)."""
+    if layer.head_of is not None:
+        fills = {"keys": 0.0, "values": 0.0, "positions": EMPTY, "scores": 0.0}
+        slots = ragged.unpack(layer.held_slots(), layer.head_of[:, :, : layer.size], layer.kv_heads, fills)
+        return HeldSlots(**slots, policy=layer.policy, sizes=layer.sizes, evicting=False, **_storage(layer))
+    held = layer.size + (layer.hole is not None)
+    keys = layer.keys[:, :, :held].clone()
+    positions = layer.positions[:, :, :held].clone()
+    if layer.hole is not None:
+        positions.scatter_(2, layer.hole, EMPTY)
+    if layer.sink_keys is not None and layer.codec is None:  # rolling sinks were rotated in place: restore them
+        keys[:, :, : layer.sink_keys.shape[2]] = layer.sink_keys
+    evicting = layer.sizes is not None and not layer.compressed
+    values, scores = layer.values[:, :, :held], layer.scores[:, :, :held]
+    return HeldSlots(keys, values, positions, scores, layer.policy, layer.sizes or Sizes(), evicting, **_storage(layer))
+
+
+def take_slots(layer: PolicyLayer, slots: HeldSlots, seen: int, dtype: torch.dtype) -> None:
+    """Let a fresh policy `layer` hold one row's `slots` after `seen` tokens (a conversation the
+    fast path hands back), read back in `dtype`: the live slots in slot order, which keeps a
+    contiguous policy's sinks first; heads that hold different counts are packed flat."""
+    if slots.codec != layer.codec:
+        raise SparsegenError(f"slots held in {slots.codec} cannot continue in a cache of {layer.codec}")
+    live = slots.positions[0] >= 0
+    layer.kv_heads, layer.dtype, layer.device = live.shape[0], dtype, slots.keys.device
+    layer.is_initialized, layer.cumulative_length, layer.check_padding = True, seen, False
+    bounded = bool(layer.policy.budget_parts())
+    layer.sizes = slots.sizes if bounded else None
+    layer.compressed = bounded and not slots.evicting
+    layer.recent_keys, layer.recent_values = slots.recent_keys, slots.recent_values
+    tensors = {"keys": slots.keys, "values": slots.values, "positions": slots.positions, "scores": slots.scores}
+    counts = live.sum(-1)
+    if bool((counts != counts[0]).any()):
+        layer.hold_packed(ragged.pack(tensors, live[None]))
+        return
+    order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[None, :, : int(counts[0])]
+    for name, tensor in tensors.items():
+        setattr(layer, name, gather_slots(tensor, order))
+    layer.size = int(counts[0])

@@ -11,6 +11,7 @@ engine calls every method but `check` under its own lock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sparsegen.errors import SparsegenError
@@ -31,12 +32,12 @@ class Admission:
     def __init__(
         self,
         max_kv_bytes: int,
-        bytes_per_token: dict[int | None, int],
+        row_bytes: Callable[[int, int | None], int],
         max_queue: int,
         conversations: ConversationStore,
         metrics: Metrics,
     ) -> None:
-        self.max_kv_bytes, self.bytes_per_token, self.max_queue = max_kv_bytes, bytes_per_token, max_queue
+        self.max_kv_bytes, self.row_bytes, self.max_queue = max_kv_bytes, row_bytes, max_queue
         self.conversations, self.metrics = conversations, metrics
         self.waiting: deque[Job] = deque()
         self.admitted: list[Job] = []  # reading their prompt or decoding
@@ -46,7 +47,7 @@ class Admission:
         sizes = job.kv_policy.sizes(len(job.prompt_ids))
         most = len(job.prompt_ids) + job.max_tokens
         tokens = most if sizes is None else min(sizes.budget + 1, most)
-        return tokens * self.bytes_per_token[job.kv_bits]
+        return self.row_bytes(tokens, job.kv_bits)
 
     def check(self, job: Job, arriving: int) -> None:
         """Set `job.kv_need`; refuse a job whose KV could never fit, or one more than `max_queue`

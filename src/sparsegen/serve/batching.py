@@ -31,9 +31,9 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy, make_policy
-from sparsegen.kv.quantized import BITS, checked_bits
+from sparsegen.kv.quantized import checked_bits
 from sparsegen.kv.stream import read, reads_whole
-from sparsegen.models import kv_bytes_per_token
+from sparsegen.models import kv_row_bytes
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
 from sparsegen.serve.conversations import Conversation, ConversationStore
@@ -119,8 +119,8 @@ class Engine:
         self.sampling = sampling_defaults(model)
         self.stop_ids = frozenset(stop_tokens(model, tokenizer))
         self.conversations = ConversationStore()
-        per_token = {bits: kv_bytes_per_token(model, kv_bits=bits) for bits in (None, *BITS)}
-        self.admission = Admission(max_kv_bytes, per_token, max_queue, self.conversations, self.metrics)
+        row_bytes = partial(kv_row_bytes, model)
+        self.admission = Admission(max_kv_bytes, row_bytes, max_queue, self.conversations, self.metrics)
         self.incoming: queue.Queue[Job] = queue.Queue()
         self.prefilling: deque[Job] = deque()
         self.lanes: dict[tuple, Lane] = {}
