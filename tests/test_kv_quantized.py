@@ -159,3 +159,41 @@ def test_compiled_step_in_4_bits_equals_the_eager_one():
     eager = generate(model, ids, 16, policy="h2o", compile="never", kv_bits=4, eos_token_id=[], budget=12)
     compiled = generate(model, ids, 16, policy="h2o", compile="always", kv_bits=4, eos_token_id=[], budget=12)
     assert compiled.mode == "compiled" and compiled.tokens == eager.tokens
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_byte_products_equal_attention_over_the_rows_as_read(bits, dim):
+    """The kernels' products over byte rows (some slots free, each row's newest in the ring) equal
+    the plain products over `with_residual(decode(rows))`, for a strided view of the slots too."""
+    from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
+    from sparsegen.kv.quantized import with_residual
+
+    assert kernels_available()  # the machine's compiler builds them; CI has one
+    gen = torch.Generator().manual_seed(dim)
+    codec = KVCodec.for_dim(bits, dim)
+    keys, values = (codec.encode(torch.randn(2, 3, 90, dim, generator=gen)) for _ in range(2))
+    ring_keys, ring_values = (torch.randn(2, 3, RESIDUAL, dim, generator=gen) for _ in range(2))
+    positions = torch.randperm(100, generator=gen)[:90].expand(2, 3, 90).clone()
+    positions[:, :, ::7] = -1  # free slots
+    seen = torch.tensor([100, 95]).view(2, 1, 1)
+    query, probs = torch.randn(2, 3, 4, dim, generator=gen), torch.rand(2, 3, 4, 90, generator=gen)
+    for part in (slice(0, 90), slice(5, 90)):
+        held_keys = with_residual(codec.decode(keys[:, :, part]), positions[:, :, part], seen, ring_keys)
+        held_values = with_residual(codec.decode(values[:, :, part]), positions[:, :, part], seen, ring_values)
+        scores = held_scores(query, keys[:, :, part], codec, positions[:, :, part], seen, ring_keys)
+        mixed = held_mix(probs[..., part], values[:, :, part], codec, positions[:, :, part], seen, ring_values)
+        torch.testing.assert_close(scores, query @ held_keys.transpose(-1, -2), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(mixed, probs[..., part] @ held_values, rtol=1e-5, atol=1e-4)
+
+
+def test_without_the_kernels_the_fast_path_decodes_in_torch_to_the_same_tokens(monkeypatch):
+    import sparsegen.decode.state as state
+
+    model = build_tiny("llama")
+    ids = _prompt(40)
+    with_kernels = generate(model, ids, 12, policy="h2o", compile="never", kv_bits=4, budget=16)
+    monkeypatch.setattr(state, "kernels_available", lambda: False)
+    decoder = Decoder(model, "h2o", compile="never", kv_bits=4, budget=16)
+    without = generate(model, ids, 12, decoder=decoder)
+    assert not decoder.state.layers[0].byte_products and without.tokens == with_kernels.tokens

@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
@@ -53,7 +54,7 @@ class LayerState:
     `sinks` > 0 with `contiguous` rotates only slots [0, sinks), which hold the first tokens.
     With a `codec`, keys and values are its byte rows, decoded for each step's attention, and
     `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of each row's newest tokens at full
-    precision (`kv.quantized`).
+    precision (`kv.quantized`); `byte_products` multiplies the byte rows directly (`kv.kernels`).
     """
 
     policy: Policy
@@ -70,6 +71,7 @@ class LayerState:
     codec: KVCodec | None = None
     recent_keys: torch.Tensor | None = None
     recent_values: torch.Tensor | None = None
+    byte_products: bool = False
 
     @property
     def per_row(self) -> tuple[str, ...]:
@@ -191,13 +193,33 @@ class LayerState:
         b, hq, _, d = query.shape
         h = self.keys.shape[1]
         grouped = query.view(b, h, hq // h, d)
-        keys, values = self.read(seen)
-        logits, keys = self.logits(grouped, keys, seen, scaling)
+        if self.byte_products:  # no float copy of the cache; no policy scoring while decoding reads it
+            keys = values = None
+            logits = self._byte_logits(grouped, seen) * scaling
+        else:
+            keys, values = self.read(seen)
+            logits, keys = self.logits(grouped, keys, seen, scaling)
         live = self.positions >= 0
         probs = logits.masked_fill(~live.unsqueeze(2), float("-inf")).softmax(-1)
-        out = weighted_values(probs, values)
+        if self.byte_products:
+            out = held_mix(probs, self.values, self.codec, self.positions, seen, self.recent_values)
+        else:
+            out = weighted_values(probs, values)
         self.choose_next_slot(query, keys, values, probs, scaling, seen)
         return out.to(query.dtype).view(b, hq, 1, d).transpose(1, 2)
+
+    def _byte_logits(self, query: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """`logits` over the byte rows (unscaled): the kernels' products, the rolled sinks of a
+        contiguous policy from their decoded keys."""
+        scores = held_scores(query, self.keys, self.codec, self.positions, seen, self.recent_keys)
+        if self.rotation is None or not self.sinks:
+            return scores
+        sinks = slice(0, self.sinks)
+        keys = self.codec.decode(self.keys[:, :, sinks])
+        keys = with_residual(keys, self.positions[:, :, sinks], seen, self.recent_keys)
+        shift = seen - (self.positions >= 0).sum(-1, keepdim=True)
+        rotated = self.rotation.rotate(keys, shift.expand(-1, -1, self.sinks))
+        return torch.cat([scores_of(query, rotated), scores[..., self.sinks :]], -1)
 
     def choose_next_slot(self, query, keys, values, probs, scaling: float, seen: torch.Tensor) -> None:
         """Score, then free the lowest-priority slot if the row is over budget (else use a free one)."""
@@ -333,6 +355,8 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> Layer
     sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
     policy, evicting = parts[0].policy, parts[0].evicting
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
+    rolled_per_slot = parts[0].rotation is not None and not policy.contiguous
+    byte_products = codec is not None and device.type == "cpu" and not rolled_per_slot and kernels_available()
     return LayerState(
         policy=policy,
         sizes=sizes,
@@ -346,5 +370,6 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> Layer
         contiguous=policy.contiguous,
         sinks=max(s.sinks for s in budgets),
         codec=codec,
+        byte_products=byte_products,
         **({} if codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}),
     )

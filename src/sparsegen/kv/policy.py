@@ -49,7 +49,9 @@ class Sizes:
 class Step:
     """What one attention call knows, as the policy sees it (held tokens include the new ones).
 
-    `positions`, `scores` [b, h, n]; `keys`, `values` [b, h, n, d] (keys as attention saw them);
+    `positions`, `scores` [b, h, n]; `keys`, `values` [b, h, n, d] (keys as attention saw them;
+    None where the fast path multiplies rounded slots as bytes, `kv.kernels`, which only policies
+    that score from attention while decoding meet);
     `query` [b, hq, new, d], the new tokens' queries; `weights`, when the attention implementation
     returned them, [b, hq, new, n]. `seen` counts every token so far (per row, [b, 1, 1], on the
     fast path), `new` this call's. `rope` rotates by the model's RoPE frequencies (given by the
@@ -78,7 +80,7 @@ class Step:
         summed over those queries and over each GQA group: float32 [b, h, n]."""
         last = self.new if last is None else min(last, self.new)
         if last not in self._received:
-            b, h = self.keys.shape[:2]
+            b, h = self.positions.shape[:2]
             if self.weights is not None:
                 chosen = self.weights[:, :, -last:].float()
                 self._received[last] = chosen.view(b, h, -1, *chosen.shape[-2:]).sum(dim=(2, 3))
