@@ -61,6 +61,7 @@ torch::Tensor kv_scores(torch::Tensor query, torch::Tensor keys, int64_t bits, i
         for (int64_t k = 0; k < g; ++k) {
           const float* qk = qs + k * d;
           float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
           for (int64_t c = 0; c < d; ++c) acc += qk[c] * row[c];
           o[(bh * g + k) * n + t] = acc;
         }
@@ -93,6 +94,7 @@ torch::Tensor kv_mix(torch::Tensor probs, torch::Tensor values, int64_t bits, in
           const float weight = p[(bh * g + k) * n + t];
           if (weight == 0.f) continue;
           float* ok = out + k * dim;
+#pragma omp simd
           for (int64_t c = 0; c < dim; ++c) ok[c] += weight * row[c];
         }
       }
