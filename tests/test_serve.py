@@ -263,6 +263,25 @@ def test_models_health_and_metrics(server):
     assert served["model"] == "tiny"
 
 
+def _ask_together(url: str, prompts: list[str], extras: list[dict | None], max_tokens: int) -> dict[int, str]:
+    """Every prompt as a greedy completion from its own thread at once (its extension fields in
+    `extras`); each one's text by index."""
+    results: dict[int, str] = {}
+
+    def ask(index: int) -> None:
+        reply = _client(url).completions.create(
+            model="tiny", prompt=prompts[index], max_tokens=max_tokens, temperature=0, extra_body=extras[index]
+        )
+        results[index] = reply.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return results
+
+
 def test_concurrent_greedy_requests_of_mixed_lengths_and_policies_each_get_their_single_request_output():
     from sparsegen.decode import generate
 
@@ -277,20 +296,8 @@ def test_concurrent_greedy_requests_of_mixed_lengths_and_policies_each_get_their
         {"kv_policy": "kvzip", "kv_budget": 4},  # re-reads its first prompt chunk to score it
     ]
     with live_server(loaded, "streaming", {"sinks": 2, "recent": 16}, prefill_chunk=8) as (url, app):
-        results: dict[int, str] = {}
-
-        def ask(index: int) -> None:
-            extra = policies[index % len(policies)]
-            reply = _client(url).completions.create(
-                model="tiny", prompt=prompts[index], max_tokens=14, temperature=0, extra_body=extra
-            )
-            results[index] = reply.choices[0].text
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
+        extras = [policies[index % len(policies)] for index in range(len(prompts))]
+        results = _ask_together(url, prompts, extras, max_tokens=14)
         assert app.state.engine.stats()["active"] == 0
     for index, prompt in enumerate(prompts):
         extra = policies[index % len(policies)] or {"kv_policy": "streaming"}
@@ -401,20 +408,8 @@ def test_requests_in_different_kv_bits_batch_apart_and_each_equals_its_single_ru
     prompts = [" ".join(f"w{5 + (i * 11 + j) % 90}" for j in range(n)) for i, n in enumerate((9, 30, 17, 26))]
     bits = [4, 8, None, 4]
     with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, kv_bits=4) as (url, app):
-        results: dict[int, str] = {}
-
-        def ask(index: int) -> None:
-            extra = {"kv_bits": bits[index]} if bits[index] != 4 else {}  # omitted: the server's 4; null: none
-            reply = _client(url).completions.create(
-                model="tiny", prompt=prompts[index], max_tokens=12, temperature=0, extra_body=extra
-            )
-            results[index] = reply.choices[0].text
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
+        extras = [{"kv_bits": b} if b != 4 else {} for b in bits]  # omitted: the server's 4; null: none
+        results = _ask_together(url, prompts, extras, max_tokens=12)
         bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w5", "kv_bits": 3})
         assert bad.status_code == 400 and "kv_bits" in str(_error(bad)["param"]) + _error(bad)["message"]
         assert app.state.engine.stats()["active"] == 0
