@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
+from sparsegen.kv.kernels import held_mix, held_scores, kernels_available, newest_slots
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
@@ -129,17 +129,11 @@ class LayerState:
         live = self.positions[row] >= 0
         order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[:, : int(live[0].sum())]
         order = order.gather(1, self.positions[row].gather(1, order).argsort(-1))
-        keys, values = (
-            self._numbers(buffer[row].gather(1, order[..., None].expand(-1, -1, buffer.shape[3]))[None]).to(dtype)
-            for buffer in (self.keys, self.values)
-        )
+        keys = self.keys[row].gather(1, order[..., None].expand(-1, -1, self.keys.shape[3]))[None].to(dtype)
+        values = self.values[row].gather(1, order[..., None].expand(-1, -1, self.values.shape[3]))[None].to(dtype)
         layer.keys, layer.values, layer.is_initialized = keys, values, True
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.cumulative_length = seen
-
-    def _numbers(self, held: torch.Tensor) -> torch.Tensor:
-        """Held keys or values as numbers (decoded, where a codec holds them)."""
-        return held if self.codec is None else self.codec.decode(held)
 
     def _stored(self, new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
         return new.to(buffer.dtype) if self.codec is None else self.codec.encode(new)
@@ -195,23 +189,24 @@ class LayerState:
         grouped = query.view(b, h, hq // h, d)
         if self.byte_products:  # no float copy of the cache; no policy scoring while decoding reads it
             keys = values = None
-            logits = self._byte_logits(grouped, seen) * scaling
+            newest = newest_slots(self.positions, seen, self.recent_keys.shape[2])
+            logits = self._byte_logits(grouped, seen, newest) * scaling
         else:
             keys, values = self.read(seen)
             logits, keys = self.logits(grouped, keys, seen, scaling)
         live = self.positions >= 0
         probs = logits.masked_fill(~live.unsqueeze(2), float("-inf")).softmax(-1)
         if self.byte_products:
-            out = held_mix(probs, self.values, self.codec, self.positions, seen, self.recent_values)
+            out = held_mix(probs, self.values, self.codec, newest, self.recent_values)
         else:
             out = weighted_values(probs, values)
         self.choose_next_slot(query, keys, values, probs, scaling, seen)
         return out.to(query.dtype).view(b, hq, 1, d).transpose(1, 2)
 
-    def _byte_logits(self, query: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    def _byte_logits(self, query: torch.Tensor, seen: torch.Tensor, newest) -> torch.Tensor:
         """`logits` over the byte rows (unscaled): the kernels' products, the rolled sinks of a
         contiguous policy from their decoded keys."""
-        scores = held_scores(query, self.keys, self.codec, self.positions, seen, self.recent_keys)
+        scores = held_scores(query, self.keys, self.codec, newest, self.recent_keys)
         if self.rotation is None or not self.sinks:
             return scores
         sinks = slice(0, self.sinks)

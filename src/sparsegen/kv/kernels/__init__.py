@@ -84,25 +84,27 @@ def _(probs, values, bits, group, dim):
     return probs.new_empty(*probs.shape[:3], dim)
 
 
-def _newest(positions: torch.Tensor, seen: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which slots [b, h, n] hold one of their row's newest `ring` tokens, and each slot's ring index."""
+def newest_slots(positions: torch.Tensor, seen: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which slots [b, h, n] hold one of their row's newest `ring` tokens (of `seen`), and each
+    slot's ring index: computed once a step for `held_scores` and `held_mix`."""
     return (positions >= 0) & (positions >= seen - ring), positions.remainder(ring)
 
 
-def held_scores(query, keys, codec: KVCodec, positions, seen, recent_keys) -> torch.Tensor:
+def held_scores(query, keys, codec: KVCodec, newest_and_index, recent_keys) -> torch.Tensor:
     """query [b, h, g, d] . every slot's key as read (`kv.quantized.with_residual`): the newest
-    tokens' from the ring `recent_keys` [b, h, R, d], the others decoded. fp32 [b, h, g, n]."""
+    tokens' (`newest_slots`) from the ring `recent_keys` [b, h, R, d], the others decoded. fp32
+    [b, h, g, n]."""
     scores = _kv_scores(query.float(), keys, codec.bits, codec.group)
-    newest, index = _newest(positions, seen, recent_keys.shape[2])
+    newest, index = newest_and_index
     ring = query.float() @ recent_keys.float().transpose(-1, -2)  # [b, h, g, R]
     ring = ring.gather(-1, index.unsqueeze(2).expand_as(scores))
     return torch.where(newest.unsqueeze(2), ring, scores)
 
 
-def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> torch.Tensor:
-    """probs [b, h, g, n] x every slot's value as read (the newest from the ring `recent_values`
-    [b, h, R, d], the others decoded): fp32 [b, h, g, d]."""
-    newest, index = _newest(positions, seen, recent_values.shape[2])
+def held_mix(probs, values, codec: KVCodec, newest_and_index, recent_values) -> torch.Tensor:
+    """probs [b, h, g, n] x every slot's value as read (the newest, `newest_slots`, from the ring
+    `recent_values` [b, h, R, d], the others decoded): fp32 [b, h, g, d]."""
+    newest, index = newest_and_index
     newest = newest.unsqueeze(2)
     decoded = _kv_mix(torch.where(newest, 0.0, probs).float(), values, codec.bits, codec.group, recent_values.shape[-1])
     to_ring = probs.new_zeros(*probs.shape[:3], recent_values.shape[2])
