@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from sparsegen.kv.kernels import _kv_mix, _kv_scores, kernels_available
-from sparsegen.kv.quantized import KVCodec
+from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
+from sparsegen.kv.quantized import RESIDUAL, KVCodec
 
 TOKENS, HEADS, QUERIES, DIM, LAYERS = 8192, 3, 3, 64, 30
 
@@ -32,12 +32,14 @@ if __name__ == "__main__":
     values = [torch.randn(1, HEADS, TOKENS, DIM) for _ in range(LAYERS)]
     key_rows, value_rows = [codec.encode(k) for k in keys], [codec.encode(v) for v in values]
     query, probs = torch.randn(1, HEADS, QUERIES, DIM), torch.rand(1, HEADS, QUERIES, TOKENS)
+    positions, seen = torch.arange(TOKENS).expand(1, HEADS, TOKENS).contiguous(), torch.tensor([TOKENS])
+    ring = torch.randn(1, HEADS, RESIDUAL, DIM)
     with torch.inference_mode():
         fp32 = per_step_ms(
             lambda: [(query @ k.transpose(-1, -2), probs @ v) for k, v in zip(keys, values, strict=True)]
         )
-        scores = per_step_ms(lambda: [_kv_scores(query, k, 4, codec.group) for k in key_rows])
-        mixed = per_step_ms(lambda: [_kv_mix(probs, v, 4, codec.group, DIM) for v in value_rows])
+        scores = per_step_ms(lambda: [held_scores(query, k, codec, positions, seen, ring) for k in key_rows])
+        mixed = per_step_ms(lambda: [held_mix(probs, v, codec, positions, seen, ring) for v in value_rows])
     print(
         f"fp32 products {fp32:.1f} ms; int4 kernels {scores + mixed:.1f} ms (scores {scores:.1f}, values {mixed:.1f})"
     )

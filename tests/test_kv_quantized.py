@@ -165,8 +165,9 @@ def test_compiled_step_in_4_bits_equals_the_eager_one():
 @pytest.mark.parametrize("dim", [16, 64, 128])
 def test_byte_products_equal_attention_over_the_rows_as_read(bits, dim):
     """The kernels' products over byte rows (some slots free, each row's newest in the ring) equal
-    the plain products over `with_residual(decode(rows))`, for a strided view of the slots too."""
-    from sparsegen.kv.kernels import held_mix, held_scores, kernels_available, newest_slots
+    the plain products over `with_residual(decode(rows))` at the live slots, for a strided view of
+    the slots too."""
+    from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
     from sparsegen.kv.quantized import with_residual
 
     assert kernels_available()  # the machine's compiler builds them; CI has one
@@ -178,13 +179,15 @@ def test_byte_products_equal_attention_over_the_rows_as_read(bits, dim):
     positions[:, :, ::7] = -1  # free slots
     seen = torch.tensor([100, 95]).view(2, 1, 1)
     query, probs = torch.randn(2, 3, 4, dim, generator=gen), torch.rand(2, 3, 4, 90, generator=gen)
+    live = (positions >= 0).unsqueeze(2).expand_as(probs)
+    probs = torch.where(live, probs, 0.0)  # attention gives free slots nothing
     for part in (slice(0, 90), slice(5, 90)):
         held_keys = with_residual(codec.decode(keys[:, :, part]), positions[:, :, part], seen, ring_keys)
         held_values = with_residual(codec.decode(values[:, :, part]), positions[:, :, part], seen, ring_values)
-        newest = newest_slots(positions[:, :, part], seen, RESIDUAL)
-        scores = held_scores(query, keys[:, :, part], codec, newest, ring_keys)
-        mixed = held_mix(probs[..., part], values[:, :, part], codec, newest, ring_values)
-        torch.testing.assert_close(scores, query @ held_keys.transpose(-1, -2), rtol=1e-5, atol=1e-4)
+        scores = held_scores(query, keys[:, :, part], codec, positions[:, :, part], seen, ring_keys)
+        mixed = held_mix(probs[..., part], values[:, :, part], codec, positions[:, :, part], seen, ring_values)
+        expected = torch.where(live[..., part], query @ held_keys.transpose(-1, -2), 0.0)
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(mixed, probs[..., part] @ held_values, rtol=1e-5, atol=1e-4)
 
 

@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.kernels import held_mix, held_scores, kernels_available, newest_slots
+from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
@@ -189,24 +189,23 @@ class LayerState:
         grouped = query.view(b, h, hq // h, d)
         if self.byte_products:  # no float copy of the cache; no policy scoring while decoding reads it
             keys = values = None
-            newest = newest_slots(self.positions, seen, self.recent_keys.shape[2])
-            logits = self._byte_logits(grouped, seen, newest) * scaling
+            logits = self._byte_logits(grouped, seen) * scaling
         else:
             keys, values = self.read(seen)
             logits, keys = self.logits(grouped, keys, seen, scaling)
         live = self.positions >= 0
         probs = logits.masked_fill(~live.unsqueeze(2), float("-inf")).softmax(-1)
         if self.byte_products:
-            out = held_mix(probs, self.values, self.codec, newest, self.recent_values)
+            out = held_mix(probs, self.values, self.codec, self.positions, seen, self.recent_values)
         else:
             out = weighted_values(probs, values)
         self.choose_next_slot(query, keys, values, probs, scaling, seen)
         return out.to(query.dtype).view(b, hq, 1, d).transpose(1, 2)
 
-    def _byte_logits(self, query: torch.Tensor, seen: torch.Tensor, newest) -> torch.Tensor:
+    def _byte_logits(self, query: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """`logits` over the byte rows (unscaled): the kernels' products, the rolled sinks of a
         contiguous policy from their decoded keys."""
-        scores = held_scores(query, self.keys, self.codec, newest, self.recent_keys)
+        scores = held_scores(query, self.keys, self.codec, self.positions, seen, self.recent_keys)
         if self.rotation is None or not self.sinks:
             return scores
         sinks = slice(0, self.sinks)

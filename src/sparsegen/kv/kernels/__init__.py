@@ -23,6 +23,9 @@ import torch
 from sparsegen.kv.quantized import KVCodec
 
 SOURCE = Path(__file__).with_name("kv_int.cpp")
+# OpenMP: at::parallel_for is inline OpenMP in torch's headers, serial without it (torch's own
+# libgomp.so.1 is already loaded, so the loader reuses that one runtime).
+FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 @functools.cache
@@ -32,14 +35,16 @@ def _extension():
 
     from sparsegen.assets import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_name().encode() + torch.__version__.encode()).hexdigest()[:16]
+    built_from = SOURCE.read_bytes() + _cpu_name().encode() + torch.__version__.encode() + " ".join(FLAGS).encode()
+    key = hashlib.sha256(built_from).hexdigest()[:16]
     folder = cache_dir() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
             "sparsegen_kv_int",
             [str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],  # simd: the dot products' sums vectorize
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,
         )
@@ -65,48 +70,49 @@ def kernels_available() -> bool:
 
 
 @torch.library.custom_op("sparsegen::kv_scores", mutates_args=())
-def _kv_scores(query: torch.Tensor, keys: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    return _extension().kv_scores(query.contiguous(), keys, bits, group)
+def _kv_scores(
+    query: torch.Tensor, keys: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
+    bits: int, group: int,
+) -> torch.Tensor:
+    return _extension().kv_scores(query, keys, ring, positions, seen, bits, group)
 
 
 @_kv_scores.register_fake
-def _(query, keys, bits, group):
+def _(query, keys, ring, positions, seen, bits, group):
     return query.new_empty(*query.shape[:3], keys.shape[2])
 
 
 @torch.library.custom_op("sparsegen::kv_mix", mutates_args=())
-def _kv_mix(probs: torch.Tensor, values: torch.Tensor, bits: int, group: int, dim: int) -> torch.Tensor:
-    return _extension().kv_mix(probs.contiguous(), values, bits, group, dim)
+def _kv_mix(
+    probs: torch.Tensor, values: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
+    bits: int, group: int,
+) -> torch.Tensor:
+    return _extension().kv_mix(probs, values, ring, positions, seen, bits, group)
 
 
 @_kv_mix.register_fake
-def _(probs, values, bits, group, dim):
-    return probs.new_empty(*probs.shape[:3], dim)
+def _(probs, values, ring, positions, seen, bits, group):
+    return probs.new_empty(*probs.shape[:3], ring.shape[-1])
 
 
-def newest_slots(positions: torch.Tensor, seen: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which slots [b, h, n] hold one of their row's newest `ring` tokens (of `seen`), and each
-    slot's ring index: computed once a step for `held_scores` and `held_mix`."""
-    return (positions >= 0) & (positions >= seen - ring), positions.remainder(ring)
+def _slots(positions: torch.Tensor, seen: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [b, h, n] and seen (one count a row) as the kernels read them."""
+    seen = torch.as_tensor(seen, device=positions.device).reshape(-1).expand(positions.shape[0])
+    return positions.contiguous(), seen.long().contiguous()
 
 
-def held_scores(query, keys, codec: KVCodec, newest_and_index, recent_keys) -> torch.Tensor:
-    """query [b, h, g, d] . every slot's key as read (`kv.quantized.with_residual`): the newest
-    tokens' (`newest_slots`) from the ring `recent_keys` [b, h, R, d], the others decoded. fp32
-    [b, h, g, n]."""
-    scores = _kv_scores(query.float(), keys, codec.bits, codec.group)
-    newest, index = newest_and_index
-    ring = query.float() @ recent_keys.float().transpose(-1, -2)  # [b, h, g, R]
-    ring = ring.gather(-1, index.unsqueeze(2).expand_as(scores))
-    return torch.where(newest.unsqueeze(2), ring, scores)
+def held_scores(query, keys, codec: KVCodec, positions, seen, recent_keys) -> torch.Tensor:
+    """query [b, h, g, d] . every slot's key as read (`kv.quantized.with_residual`): a slot whose
+    position is among its row's newest (of `seen` tokens) from the ring `recent_keys` [b, h, R, d],
+    the others decoded; 0 at free slots. fp32 [b, h, g, n]."""
+    positions, seen = _slots(positions, seen)
+    ring = recent_keys.float().contiguous()
+    return _kv_scores(query.float().contiguous(), keys, ring, positions, seen, codec.bits, codec.group)
 
 
-def held_mix(probs, values, codec: KVCodec, newest_and_index, recent_values) -> torch.Tensor:
-    """probs [b, h, g, n] x every slot's value as read (the newest, `newest_slots`, from the ring
-    `recent_values` [b, h, R, d], the others decoded): fp32 [b, h, g, d]."""
-    newest, index = newest_and_index
-    newest = newest.unsqueeze(2)
-    decoded = _kv_mix(torch.where(newest, 0.0, probs).float(), values, codec.bits, codec.group, recent_values.shape[-1])
-    to_ring = probs.new_zeros(*probs.shape[:3], recent_values.shape[2])
-    to_ring.scatter_add_(-1, index.unsqueeze(2).expand_as(probs), torch.where(newest, probs, 0.0))
-    return decoded + to_ring @ recent_values.float()
+def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> torch.Tensor:
+    """probs [b, h, g, n] x every slot's value as read (the newest from the ring `recent_values`
+    [b, h, R, d], the others decoded; free slots skipped): fp32 [b, h, g, d]."""
+    positions, seen = _slots(positions, seen)
+    ring = recent_values.float().contiguous()
+    return _kv_mix(probs.float().contiguous(), values, ring, positions, seen, codec.bits, codec.group)

@@ -1,109 +1,205 @@
 // Attention products over keys and values held as byte rows (sparsegen/kv/quantized.py): each row
 // is D codes (one byte each at 8 bits, two a byte at 4, low nibble first) followed by, per group
-// of `group` channels, an fp16 scale and an fp16 minimum. A row is decoded into a small buffer
-// that stays in L1 and used at once, so a step reads the bytes and never a float copy of the cache.
+// of `group` channels, an fp16 scale and an fp16 minimum. A slot whose token is among its row's
+// newest RESIDUAL is read from the full-precision ring instead, and a free slot (position < 0) is
+// skipped. Each row is decoded into a buffer that stays in L1 and used at once for every query of
+// its head, so a step reads the bytes and never a float copy of the cache.
+//
+// The decoded buffer is in "code order": at 4 bits the low nibbles' channels (0, 2, 4, ...) then
+// the high nibbles' (1, 3, 5, ...), which one shift and mask give without shuffles; the queries
+// are permuted into that order once per task and the mixed values permuted back at the end.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPARSEGEN_AVX2 1
+#endif
+
+#include <algorithm>
 #include <vector>
 
 namespace {
 
-constexpr int kMaxDim = 512;
+constexpr int64_t kMaxDim = 512;
 
-inline void decode_row(const uint8_t* row, int64_t dim, int64_t bits, int64_t group, float* out) {
-  const int64_t code_bytes = dim * bits / 8;
-  const c10::Half* params = reinterpret_cast<const c10::Half*>(row + code_bytes);
-  if (bits == 8) {
-    for (int64_t c = 0; c < dim; ++c) out[c] = static_cast<float>(row[c]);
-  } else {
-    for (int64_t j = 0; j < code_bytes; ++j) {
-      out[2 * j] = static_cast<float>(row[j] & 15);
-      out[2 * j + 1] = static_cast<float>(row[j] >> 4);
-    }
+struct Rows {  // one [b, h, n, width] byte tensor, its ring [b, h, R, d] fp32 and slot positions [b, h, n]
+  const uint8_t* bytes;
+  int64_t s0, s1, s2;
+  const float* ring;
+  int64_t ring_size;
+  const int64_t* positions;
+  const int64_t* seen;
+  int64_t h, n, dim, bits, group;
+
+  // The ring row to read for slot t of (bi, hi), nullptr to decode the bytes; *skip for a free slot.
+  const float* ring_row(int64_t bi, int64_t hi, int64_t t, bool* skip) const {
+    const int64_t pos = positions[(bi * h + hi) * n + t];
+    *skip = pos < 0;
+    if (pos < 0 || pos < seen[bi] - ring_size) return nullptr;
+    return ring + ((bi * h + hi) * ring_size + pos % ring_size) * dim;
   }
-  for (int64_t g = 0; g < dim / group; ++g) {
-    const float scale = static_cast<float>(params[2 * g]);
-    const float low = static_cast<float>(params[2 * g + 1]);
-    float* part = out + g * group;
-    for (int64_t c = 0; c < group; ++c) part[c] = part[c] * scale + low;
+  const uint8_t* row(int64_t bi, int64_t hi, int64_t t) const { return bytes + bi * s0 + hi * s1 + t * s2; }
+};
+
+// Channel c's index in code order.
+inline int64_t code_index(int64_t c, int64_t dim, int64_t bits) {
+  return bits == 8 ? c : (c % 2) * (dim / 2) + c / 2;
+}
+
+inline float half_at(const uint8_t* p) { return static_cast<float>(*reinterpret_cast<const c10::Half*>(p)); }
+
+// One stored row -> dim floats in code order.
+inline void decode_row(const uint8_t* row, const Rows& r, float* out) {
+  const int64_t dim = r.dim, code_bytes = dim * r.bits / 8;
+  const uint8_t* params = row + code_bytes;
+#ifdef SPARSEGEN_AVX2
+  if (r.group == 32 && dim % 32 == 0) {
+    const __m128i low_nibbles = _mm_set1_epi8(15);
+    for (int64_t g = 0; g < dim / 32; ++g) {
+      const __m256 scale = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(params + 4 * g)));
+      const __m256 low = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(params + 4 * g + 2)));
+      auto put = [&](__m128i eight_codes, float* to) {
+        const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_codes));
+        _mm256_storeu_ps(to, _mm256_fmadd_ps(codes, scale, low));
+      };
+      if (r.bits == 8) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g + 16));
+        put(a, out + 32 * g), put(_mm_srli_si128(a, 8), out + 32 * g + 8);
+        put(b, out + 32 * g + 16), put(_mm_srli_si128(b, 8), out + 32 * g + 24);
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
+        const __m128i lo = _mm_and_si128(raw, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low_nibbles);
+        put(lo, out + 16 * g), put(_mm_srli_si128(lo, 8), out + 16 * g + 8);
+        put(hi, out + dim / 2 + 16 * g), put(_mm_srli_si128(hi, 8), out + dim / 2 + 16 * g + 8);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < dim; ++c) {
+    const int64_t code = r.bits == 8 ? row[c] : (c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15);
+    const int64_t g = c / r.group;
+    out[code_index(c, dim, r.bits)] = code * half_at(params + 4 * g) + half_at(params + 4 * g + 2);
   }
 }
 
-void check(const torch::Tensor& rows, const torch::Tensor& floats, int64_t dim, const char* what) {
-  TORCH_CHECK(rows.scalar_type() == torch::kUInt8 && rows.dim() == 4 && rows.stride(3) == 1, what,
+inline float dot(const float* a, const float* b, int64_t dim) {
+#ifdef SPARSEGEN_AVX2
+  if (dim % 16 == 0) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) {
+      even = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), even);
+      odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), odd);
+    }
+    const __m256 sum = _mm256_add_ps(even, odd);
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t c = 0; c < dim; ++c) acc += a[c] * b[c];
+  return acc;
+}
+
+inline void add_scaled(float* acc, const float* x, float weight, int64_t dim) {
+#pragma omp simd
+  for (int64_t c = 0; c < dim; ++c) acc[c] += weight * x[c];
+}
+
+Rows rows_of(const torch::Tensor& bytes, const torch::Tensor& ring, const torch::Tensor& positions,
+             const torch::Tensor& seen, int64_t dim, int64_t bits, int64_t group, const char* what) {
+  TORCH_CHECK(bytes.scalar_type() == torch::kUInt8 && bytes.dim() == 4 && bytes.stride(3) == 1, what,
               ": byte rows [b, h, n, width] with contiguous rows expected");
-  TORCH_CHECK(floats.scalar_type() == torch::kFloat && floats.is_contiguous(), what, ": contiguous fp32 expected");
-  TORCH_CHECK(dim <= kMaxDim, what, ": head dim over ", kMaxDim);
+  TORCH_CHECK(ring.scalar_type() == torch::kFloat && ring.is_contiguous() && ring.size(3) == dim, what,
+              ": a contiguous fp32 ring [b, h, R, d] expected");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && seen.is_contiguous(), what,
+              ": contiguous int64 positions and seen expected");
+  TORCH_CHECK(dim <= kMaxDim && dim % group == 0 && (bits == 8 || (bits == 4 && dim % 2 == 0)), what,
+              ": head dim ", dim, " with groups of ", group, " at ", bits, " bits is not supported");
+  return Rows{bytes.data_ptr<uint8_t>(), bytes.stride(0), bytes.stride(1), bytes.stride(2),
+              ring.data_ptr<float>(), ring.size(2), positions.data_ptr<int64_t>(), seen.data_ptr<int64_t>(),
+              bytes.size(1), bytes.size(2), dim, bits, group};
 }
 
 }  // namespace
 
-// query [b, h, g, d] fp32, keys [b, h, n, width] bytes -> [b, h, g, n]: each query . each decoded key.
-torch::Tensor kv_scores(torch::Tensor query, torch::Tensor keys, int64_t bits, int64_t group) {
-  const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3), n = keys.size(2);
-  check(keys, query, d, "kv_scores");
-  auto out = torch::empty({b, h, g, n}, query.options());
+// query [b, h, g, d] fp32 . every held key -> [b, h, g, n] (0 at free slots).
+torch::Tensor kv_scores(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
+                        torch::Tensor seen, int64_t bits, int64_t group) {
+  const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3);
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && query.is_contiguous(), "kv_scores: contiguous fp32 query");
+  const Rows r = rows_of(keys, ring, positions, seen, d, bits, group, "kv_scores");
+  auto out = torch::zeros({b, h, g, r.n}, query.options());
   const float* q = query.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const uint8_t* base = keys.data_ptr<uint8_t>();
-  const int64_t s0 = keys.stride(0), s1 = keys.stride(1), s2 = keys.stride(2);
-  const int64_t blocks = (n + 255) / 256;
+  const int64_t blocks = (r.n + 255) / 256;
   at::parallel_for(0, b * h * blocks, 1, [&](int64_t begin, int64_t end) {
-    float row[kMaxDim];
+    alignas(64) float row[kMaxDim];
+    std::vector<float> coded(g * d);  // the queries in code order
+    int64_t coded_for = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, block = task % blocks;
-      const int64_t bi = bh / h, hi = bh % h;
+      const int64_t bh = task / blocks, block = task % blocks, bi = bh / h, hi = bh % h;
       const float* qs = q + bh * g * d;
-      for (int64_t t = block * 256; t < std::min(n, (block + 1) * 256); ++t) {
-        decode_row(base + bi * s0 + hi * s1 + t * s2, d, bits, group, row);
-        for (int64_t k = 0; k < g; ++k) {
-          const float* qk = qs + k * d;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t c = 0; c < d; ++c) acc += qk[c] * row[c];
-          o[(bh * g + k) * n + t] = acc;
-        }
+      if (coded_for != bh) {
+        for (int64_t k = 0; k < g; ++k)
+          for (int64_t c = 0; c < d; ++c) coded[k * d + code_index(c, d, bits)] = qs[k * d + c];
+        coded_for = bh;
+      }
+      for (int64_t t = block * 256; t < std::min(r.n, (block + 1) * 256); ++t) {
+        bool skip;
+        const float* recent = r.ring_row(bi, hi, t, &skip);
+        if (skip) continue;
+        if (recent == nullptr) decode_row(r.row(bi, hi, t), r, row);
+        for (int64_t k = 0; k < g; ++k)
+          o[(bh * g + k) * r.n + t] = recent ? dot(qs + k * d, recent, d) : dot(coded.data() + k * d, row, d);
       }
     }
   });
   return out;
 }
 
-// probs [b, h, g, n] fp32, values [b, h, n, width] bytes -> [b, h, g, d]: probabilities times decoded values.
-torch::Tensor kv_mix(torch::Tensor probs, torch::Tensor values, int64_t bits, int64_t group, int64_t dim) {
-  const int64_t b = probs.size(0), h = probs.size(1), g = probs.size(2), n = probs.size(3);
-  check(values, probs, dim, "kv_mix");
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(8, n / 512));
-  auto partial = torch::zeros({b * h, blocks, g, dim}, probs.options());
+// probs [b, h, g, n] fp32 x every held value -> [b, h, g, d] (free slots skipped).
+torch::Tensor kv_mix(torch::Tensor probs, torch::Tensor values, torch::Tensor ring, torch::Tensor positions,
+                     torch::Tensor seen, int64_t bits, int64_t group) {
+  const int64_t b = probs.size(0), h = probs.size(1), g = probs.size(2), d = ring.size(3);
+  TORCH_CHECK(probs.scalar_type() == torch::kFloat && probs.is_contiguous(), "kv_mix: contiguous fp32 probs");
+  const Rows r = rows_of(values, ring, positions, seen, d, bits, group, "kv_mix");
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(8, r.n / 512));
+  // Per task: g accumulators in code order (decoded rows), then g in channel order (ring rows).
+  auto partial = torch::zeros({b * h, blocks, 2, g, d}, probs.options());
   const float* p = probs.data_ptr<float>();
   float* acc = partial.data_ptr<float>();
-  const uint8_t* base = values.data_ptr<uint8_t>();
-  const int64_t s0 = values.stride(0), s1 = values.stride(1), s2 = values.stride(2);
-  const int64_t per_block = (n + blocks - 1) / blocks;
+  const int64_t per_block = (r.n + blocks - 1) / blocks;
   at::parallel_for(0, b * h * blocks, 1, [&](int64_t begin, int64_t end) {
-    float row[kMaxDim];
+    alignas(64) float row[kMaxDim];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, block = task % blocks;
-      const int64_t bi = bh / h, hi = bh % h;
-      float* out = acc + task * g * dim;
-      for (int64_t t = block * per_block; t < std::min(n, (block + 1) * per_block); ++t) {
-        decode_row(base + bi * s0 + hi * s1 + t * s2, dim, bits, group, row);
+      const int64_t bh = task / blocks, block = task % blocks, bi = bh / h, hi = bh % h;
+      float* coded = acc + task * 2 * g * d;
+      float* plain = coded + g * d;
+      for (int64_t t = block * per_block; t < std::min(r.n, (block + 1) * per_block); ++t) {
+        bool skip;
+        const float* recent = r.ring_row(bi, hi, t, &skip);
+        if (skip) continue;
+        if (recent == nullptr) decode_row(r.row(bi, hi, t), r, row);
         for (int64_t k = 0; k < g; ++k) {
-          const float weight = p[(bh * g + k) * n + t];
-          if (weight == 0.f) continue;
-          float* ok = out + k * dim;
-#pragma omp simd
-          for (int64_t c = 0; c < dim; ++c) ok[c] += weight * row[c];
+          const float weight = p[(bh * g + k) * r.n + t];
+          if (weight != 0.f) add_scaled((recent ? plain : coded) + k * d, recent ? recent : row, weight, d);
         }
+      }
+      for (int64_t k = 0; k < g; ++k) {  // back to channel order, into the plain accumulator
+        float* from = coded + k * d;
+        for (int64_t c = 0; c < d; ++c) plain[k * d + c] += from[code_index(c, d, bits)];
       }
     }
   });
-  return partial.sum(1).view({b, h, g, dim});
+  return partial.select(2, 1).sum(1).view({b, h, g, d});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kv_scores", &kv_scores, "query . decoded keys");
-  m.def("kv_mix", &kv_mix, "probabilities x decoded values");
+  m.def("kv_scores", &kv_scores, "query . held keys (bytes or ring)");
+  m.def("kv_mix", &kv_mix, "probabilities x held values (bytes or ring)");
 }
