@@ -316,3 +316,9 @@ def test_bench_gpu_runs_every_measurement_on_a_tiny_shape_here(monkeypatch, caps
     assert "random weights" in (tmp_path / "bench_gpu.md").read_text()
     code, _, err = run_cli(monkeypatch, capsys, "bench", "gpu", "--shape", "huge")
     assert code == 2 and "unknown shape 'huge'" in err
+
+
+def test_activation_bits_other_than_8_is_a_one_line_error(monkeypatch, capsys, tiny_folder):
+    args = ("generate", "hello", "--model", tiny_folder, "--activation-bits", "4", "--max-new-tokens", 2)
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2 and "activation_bits must be 8" in err and "Traceback" not in err

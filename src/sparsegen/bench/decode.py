@@ -34,14 +34,16 @@ def _fast_worker(
     threads,
     device: str | None = None,
     kv_bits: int | None = None,
+    activation_bits: int | None = None,
 ) -> dict:
-    """Per-step time of the fast path after `context` tokens per row (KV in `kv_bits` if given)."""
+    """Per-step time of the fast path after `context` tokens per row (KV in `kv_bits` if given; a
+    packed checkpoint's products as integer dots with `activation_bits=8`)."""
     from sparsegen.bench.measure import peak_rss_mb
     from sparsegen.decode import generate
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)
-    model, tokenizer = load(model_name, dtype=DTYPES[dtype], device=device)
+    model, tokenizer = load(model_name, dtype=DTYPES[dtype], device=device, activation_bits=activation_bits)
     prompts = text_stretches(tokenizer, text, rows, context)
     options = {"compile": "always", "eos_token_id": [], "kv_bits": kv_bits}
     warm = generate(model, prompts, 8, policy=policy, **options, **budget)  # compiles; the first run's steps are slower
@@ -112,20 +114,22 @@ def _bound(row: dict, bandwidth: float) -> dict:
 
 def _fast_runs(
     model_name: str, folders: dict[str, Path], context: int, long_context: int, cache: int
-) -> list[tuple[str, str, str, dict, int, str]]:
-    """The fast path's configurations as (model, dtype, policy, budget, context, label): fp32, bf16
-    weights and each packed checkpoint at `context`, then dense and streaming after `long_context`."""
-    runs = [(model_name, "fp32", "full", {}, context, f"fast fp32, {context} ctx")]
-    runs += [(model_name, "bf16", "full", {}, context, f"fast bf16 weights, {context} ctx")]
-    runs += [
-        (str(path), "fp32", "full", {}, context, f"fast {label} packed, {context} ctx")
-        for label, path in folders.items()
-    ]
+) -> list[tuple[str, str, str, dict, int, str, dict]]:
+    """The fast path's configurations as (model, dtype, policy, budget, context, label, worker
+    options): fp32, bf16 weights and each packed checkpoint at `context` (int4 also with integer-dot
+    products), then dense and streaming after `long_context`."""
+    runs = [(model_name, "fp32", "full", {}, context, f"fast fp32, {context} ctx", {})]
+    runs += [(model_name, "bf16", "full", {}, context, f"fast bf16 weights, {context} ctx", {})]
+    for label, path in folders.items():
+        runs += [(str(path), "fp32", "full", {}, context, f"fast {label} packed, {context} ctx", {})]
+        if label == "int4":
+            dots = f"fast int4 integer-dot, {context} ctx"
+            runs += [(str(path), "fp32", "full", {}, context, dots, {"activation_bits": 8})]
     if long_context:
         stream = {"sinks": 4, "recent": cache - 4}
-        runs += [(model_name, "fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx")]
+        runs += [(model_name, "fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx", {})]
         label = f"fast fp32 streaming 4+{cache - 4}, after {long_context}"
-        runs += [(model_name, "fp32", "streaming", stream, long_context, label)]
+        runs += [(model_name, "fp32", "streaming", stream, long_context, label, {})]
     return runs
 
 
@@ -147,15 +151,23 @@ def _packed_quality(
 ) -> tuple[dict[str, dict], list[str]]:
     """Each packed checkpoint's perplexity against its dequantized self, each in its own process; and
     a sentence per checkpoint."""
+    runs = [(label, path, {}) for label, path in folders.items()]
+    runs += [("int4 integer-dot", path, {"activation_bits": 8}) for label, path in folders.items() if label == "int4"]
     quality = {
-        label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads, device=device)
-        for label, path in folders.items()
+        label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads, device=device, **options)
+        for label, path, options in runs
     }
     notes = [
         f"{label} packed: perplexity {q['ppl_packed']:.3f} vs {q['ppl_dequantized']:.3f} dequantized "
         f"({100 * q['ppl_change']:+.2f}%, {q['tokens']} tokens of {quality_text})"
         for label, q in quality.items()
     ]
+    if "int4 integer-dot" in quality:
+        dots, weight_only = quality["int4 integer-dot"]["ppl_packed"], quality["int4"]["ppl_packed"]
+        notes.append(
+            f"int4 integer-dot against int4 weight-only: perplexity {dots:.3f} vs {weight_only:.3f} "
+            f"({100 * (dots / weight_only - 1):+.2f}%)"
+        )
     return quality, notes
 
 
@@ -210,11 +222,12 @@ def bench_decode(
     base = {"ms": ms, "rss": rss, "weight_mb": weight_mb, "kv_mb": (context + new_tokens // 2) * kv_mb_per_token}
     rows = [{"config": f"generate() fp32, {context} ctx", **base}]
     folders = _in_process(quantized_checkpoints, model_name, out, device=device) if quantized else {}
-    for name, dtype, policy, budget, length, label in _fast_runs(model_name, folders, context, long_context, cache):
+    for name, dtype, policy, budget, length, label, options in _fast_runs(
+        model_name, folders, context, long_context, cache
+    ):
         progress(label)
-        result = _in_process(
-            _fast_worker, name, text, length, new_tokens, dtype, policy, budget, 1, threads, device=device
-        )
+        worker_args = (name, text, length, new_tokens, dtype, policy, budget, 1, threads)
+        result = _in_process(_fast_worker, *worker_args, device=device, **options)
         rows.append({"config": label, **result})
     if llama_cpp:
         progress(f"llama.cpp under {llama_cpp}")

@@ -35,14 +35,23 @@ def quantized_checkpoints(model_name: str, out: Path, device: str | None = None)
     return folders
 
 
-def quality_worker(folder: str, text: str, seqlen: int, windows: int, threads: int, device: str | None = None) -> dict:
-    """Windowed perplexity of the packed model and of its dequantized self on the same windows."""
+def quality_worker(
+    folder: str,
+    text: str,
+    seqlen: int,
+    windows: int,
+    threads: int,
+    device: str | None = None,
+    activation_bits: int | None = None,
+) -> dict:
+    """Windowed perplexity of the packed model (integer-dot with `activation_bits=8`) and of its
+    dequantized self on the same windows."""
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)
-    packed, tokenizer = load(folder, device=device)
+    packed, tokenizer = load(folder, device=device, activation_bits=activation_bits)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=seqlen * windows)
     ours = windowed_ppl(packed, ids, seqlen, windows, progress=False).ppl
     del packed

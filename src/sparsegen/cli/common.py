@@ -47,6 +47,11 @@ PositionOpt = typer.Option(None, "--position", help="original or rolling (defaul
 KvBitsOpt = typer.Option(
     None, "--kv-bits", help="Hold keys and values in 8 or 4 bits (rounded per token) [default: full precision]."
 )
+ActivationBitsOpt = typer.Option(
+    None,
+    "--activation-bits",
+    help="8: an int4 checkpoint's products as integer dots, inputs rounded to int8 per block of 32 (CPU).",
+)
 
 
 def policy_budget(

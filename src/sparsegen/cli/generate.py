@@ -10,6 +10,7 @@ import typer
 from sparsegen.cli.common import (
     METHODS,
     POLICY_HELP,
+    ActivationBitsOpt,
     BudgetOpt,
     DeviceOpt,
     HeavyOpt,
@@ -66,6 +67,7 @@ def generate(
     heavy: int | None = HeavyOpt,
     position: str | None = PositionOpt,
     kv_bits: int | None = KvBitsOpt,
+    activation_bits: int | None = ActivationBitsOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens with this mass."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
@@ -87,7 +89,8 @@ def generate(
     from sparsegen.models import dtype_named
 
     cache_options = dict(position=position, kv_bits=kv_bits, **policy_budget(policy, budget, sinks, heavy, recent))
-    loaded, tokenizer = load(model, dtype=dtype_named(dtype, "--dtype") if dtype else None, device=device)
+    dtype = dtype_named(dtype, "--dtype") if dtype else None
+    loaded, tokenizer = load(model, dtype=dtype, device=device, activation_bits=activation_bits)
     if chat:
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -254,6 +257,7 @@ def serve(
     ),
     max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
     kv_bits: int | None = KvBitsOpt,
+    activation_bits: int | None = ActivationBitsOpt,
     device: str | None = DeviceOpt,
 ) -> None:
     """OpenAI-compatible server (chat and completions, streaming) that batches every request into one
@@ -273,6 +277,7 @@ def serve(
         max_queue=max_queue,
         device=device,
         kv_bits=kv_bits,
+        activation_bits=activation_bits,
     )
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
     uvicorn.run(application, host=host, port=port, log_level="warning")

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
@@ -185,11 +186,16 @@ def dequantize_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, 
 
 
 def packed_state(
-    state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype, device: torch.device
+    state: dict[str, torch.Tensor],
+    config: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    activation_bits: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module], dict[str, str]]:
     """Split a checkpoint's tensors into float tensors and packed layers (`quant.packed`) built from
-    its integers as they are stored, for the kernels of `device`; a layer no kernel takes gets its
-    float weight instead, with why."""
+    its integers as they are stored, for the kernels of `device` (integer-dot products where
+    `activation_bits=8`, said once where a layer keeps weight-only ones); a layer no kernel takes
+    gets its float weight instead, with why."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     from sparsegen.quant.packed import dequantized, pack_linear
@@ -207,13 +213,16 @@ def packed_state(
             zero_point = unpack_from_int32(state[f"{module}.weight_zero_point"], bits, zp_shape, packed_dim=0)
         bias = floats.get(f"{module}.bias")
         grid = (t.to(device) for t in (integers, scale, zero_point))
-        layer = pack_linear(*grid, bits, None if bias is None else bias.to(device, dtype), verdicts)
+        bias = None if bias is None else bias.to(device, dtype)
+        layer = pack_linear(*grid, bits, bias, verdicts, activation_bits)
         if isinstance(layer, str):
             floats[f"{module}.weight"] = dequantized(integers, scale, zero_point)
             unpacked[module] = layer
         else:
             floats.pop(f"{module}.bias", None)
             layers[module] = layer
+    if verdicts.get("integer-dot"):
+        print(f"sparsegen: some layers keep weight-only products ({verdicts['integer-dot']})", file=sys.stderr)
     return floats, layers, unpacked
 
 

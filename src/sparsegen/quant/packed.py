@@ -98,18 +98,29 @@ def pack_linear(
     zero_point: torch.Tensor,
     bits: int,
     bias: torch.Tensor | None = None,
-    verdicts: dict[type, str | None] | None = None,
+    verdicts: dict[type | str, str | None] | None = None,
+    activation_bits: int | None = None,
 ) -> PackedLinear | str:
     """The packed layer for signed `integers` [out, in] with `scale` and `zero_point` [out, groups],
     packed for the integers' device, or why no kernel takes this layout (the caller then dequantizes).
     With `verdicts` (one dict per model), the first layer of each kernel is checked against its
-    dequantized weight: a kernel that disagrees leaves every one of its layers to the float path."""
+    dequantized weight: a kernel that disagrees leaves every one of its layers to the float path.
+    `activation_bits=8` asks for integer-dot products (`quant.int_dot`) where they take the layer;
+    elsewhere the weight-only kernel, and `verdicts["integer-dot"]` records the first reason."""
     out_features, in_features = integers.shape
     group = in_features // scale.shape[1]
-    zero_point = zero_point.float()
     device = integers.device.type
     if device not in ("cpu", "cuda"):
         return f"no packed kernel is wired for {device}"
+    if activation_bits == 8:
+        from sparsegen.quant.int_dot import int_dot_linear
+
+        layer = int_dot_linear(integers, scale, zero_point, bits, bias)
+        if not isinstance(layer, str):
+            return _checked(layer, integers, scale, zero_point, verdicts)
+        if verdicts is not None:
+            verdicts.setdefault("integer-dot", layer)
+    zero_point = zero_point.float()
     if bits <= 4:
         kernel_group = next((g for g in INT4_GROUPS if group % g == 0), None)
         if kernel_group is None:
@@ -128,6 +139,11 @@ def pack_linear(
     else:
         offset = None if not zero_point.any() else (zero_point * scale.float())[:, 0].to(KERNEL_DTYPE)
         layer = Int8Linear(integers.to(torch.int8).contiguous(), scale[:, 0].to(KERNEL_DTYPE), offset, bias)
+    return _checked(layer, integers, scale, zero_point, verdicts)
+
+
+def _checked(layer: PackedLinear, integers, scale, zero_point, verdicts: dict | None) -> PackedLinear | str:
+    """`layer`, or why its kernel's layers stay float (`pack_linear`'s `verdicts`)."""
     if verdicts is None:
         return layer
     if type(layer) not in verdicts:

@@ -21,17 +21,21 @@ def build_app(
     max_queue: int = 64,
     device: str | None = None,
     kv_bits: int | None = None,
+    activation_bits: int | None = None,
 ) -> FastAPI:
     """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
 
     Only the unbounded `full` policy caps prompt + answer at the model's positions; bounded
     policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
     and held conversation (counted in `kv_bits` where a request holds its KV rounded); up to
-    `max_queue` requests wait for room, later ones get a 429.
+    `max_queue` requests wait for room, later ones get a 429. `activation_bits=8` loads an int4
+    checkpoint with integer-dot products (`sparsegen.load`).
     """
     from sparsegen.loading import load
 
-    network, tokenizer = load(model, device=device) if isinstance(model, str) else model
+    network, tokenizer = (
+        load(model, device=device, activation_bits=activation_bits) if isinstance(model, str) else model
+    )
     engine = Engine(
         network,
         tokenizer,

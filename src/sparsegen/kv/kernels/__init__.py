@@ -4,64 +4,25 @@
 probabilities times the held values, both over byte rows with the ring of newest tokens
 (`kv.quantized`): `torch.library` ops (one opaque call in a compiled step, with a fake
 implementation for tracing) over C++ (`kv_int.cpp`) that decodes one row at a time into a buffer
-that stays in L1. The C++ is built on first use with the machine's compiler (`-O3 -march=native`,
-cached under sparsegen's cache folder, keyed by source, CPU and torch); where it cannot be built
-(`kernels_available()` is False, said once) the fast path decodes the whole cache and multiplies in
-torch instead.
+that stays in L1. The C++ is built on first use with the machine's compiler; where it cannot be built
+(`kernels_available()` is False, said once; `sparsegen.native`) the fast path decodes the whole
+cache and multiplies in torch instead.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import platform
-import sys
 from pathlib import Path
 
 import torch
 
 from sparsegen.kv.quantized import KVCodec
+from sparsegen.native import build
 
 SOURCE = Path(__file__).with_name("kv_int.cpp")
-# OpenMP: at::parallel_for is inline OpenMP in torch's headers, serial without it (torch's own
-# libgomp.so.1 is already loaded, so the loader reuses that one runtime).
-FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
-@functools.cache
 def _extension():
-    """The built C++ module, or None where it cannot be built (said once on stderr)."""
-    from torch.utils import cpp_extension
-
-    from sparsegen.assets import cache_dir
-
-    built_from = SOURCE.read_bytes() + _cpu_name().encode() + torch.__version__.encode() + " ".join(FLAGS).encode()
-    key = hashlib.sha256(built_from).hexdigest()[:16]
-    folder = cache_dir() / "kernels" / key
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            "sparsegen_kv_int",
-            [str(SOURCE)],
-            extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, headers missing: the torch path still works
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        print(
-            f"sparsegen: the KV kernels could not be built ({reason}); rounded KV is decoded in torch", file=sys.stderr
-        )
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return platform.machine() + platform.processor() + flags
+    return build(SOURCE, "the KV kernels")
 
 
 def kernels_available() -> bool:
@@ -71,8 +32,13 @@ def kernels_available() -> bool:
 
 @torch.library.custom_op("sparsegen::kv_scores", mutates_args=())
 def _kv_scores(
-    query: torch.Tensor, keys: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
-    bits: int, group: int,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    ring: torch.Tensor,
+    positions: torch.Tensor,
+    seen: torch.Tensor,
+    bits: int,
+    group: int,
 ) -> torch.Tensor:
     return _extension().kv_scores(query, keys, ring, positions, seen, bits, group)
 
@@ -84,8 +50,13 @@ def _(query, keys, ring, positions, seen, bits, group):
 
 @torch.library.custom_op("sparsegen::kv_mix", mutates_args=())
 def _kv_mix(
-    probs: torch.Tensor, values: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
-    bits: int, group: int,
+    probs: torch.Tensor,
+    values: torch.Tensor,
+    ring: torch.Tensor,
+    positions: torch.Tensor,
+    seen: torch.Tensor,
+    bits: int,
+    group: int,
 ) -> torch.Tensor:
     return _extension().kv_mix(probs, values, ring, positions, seen, bits, group)
 

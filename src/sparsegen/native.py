@@ -1,0 +1,54 @@
+"""C++ kernels built from the project's own source with the machine's compiler, on first use.
+
+Each source file becomes one torch extension, built with `-O3 -march=native` and OpenMP (torch's
+headers run `at::parallel_for` as inline OpenMP: serial without it; torch's own `libgomp.so.1` is
+already loaded, so the loader reuses that one runtime) and cached under sparsegen's cache folder,
+keyed by source, flags, CPU and torch. Where it cannot be built (no compiler, no ninja, headers
+missing) `build` says why once on stderr and returns None: each caller keeps a torch fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+@functools.cache
+def build(source: Path, what: str):
+    """The extension module built from `source` (C++ with a PYBIND11 module), or None; `what`
+    names the kernels in the one-line message when they cannot be built."""
+    from torch.utils import cpp_extension
+
+    from sparsegen.assets import cache_dir
+
+    built_from = source.read_bytes() + " ".join(FLAGS).encode() + _cpu_name().encode() + torch.__version__.encode()
+    folder = cache_dir() / "kernels" / hashlib.sha256(built_from).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            f"sparsegen_{source.stem}",
+            [str(source)],
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch path
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        print(f"sparsegen: {what} could not be built ({reason}); using the torch path instead", file=sys.stderr)
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return platform.machine() + platform.processor() + flags

@@ -1,0 +1,92 @@
+"""int4 linear layers whose products are integer dot products (`activation_bits=8`).
+
+PyTorch's weight-only int4 CPU kernel converts every weight to float and multiplies in float. Here
+each input row is rounded to int8 in blocks of 32 inside the op (one fp32 step a block) and each
+block of 32 weights times 32 input bytes is summed as integers, as llama.cpp's q4 x q8 products
+do: `quant/kernels/int_dot.cpp`, built on first use (`sparsegen.native`), one op registered with
+torch's dispatcher from C++ (no Python a call) with a meta implementation, so a compiled step
+keeps it as one opaque call. The weights are
+repacked once, at load, into the layout the kernel reads. Where the kernel cannot be built, or a
+layer's shape does not fit it, `int_dot_linear` says why and the caller keeps the weight-only layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sparsegen.errors import SparsegenError
+from sparsegen.native import build
+from sparsegen.quant.packed import PackedLinear
+
+SOURCE = Path(__file__).parent / "kernels" / "int_dot.cpp"
+BLOCK = 32
+ACTIVATION_BITS = (None, 8)
+
+
+def _extension():
+    return build(SOURCE, "the integer-dot kernels")
+
+
+def int4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] fp32 times the int4 weight [out, in] held as (`nibbles`, `scales`, `mins`):
+    `sparsegen::int4_linear`, registered (with its meta shape function) when the C++ is built."""
+    if _extension() is None:
+        raise SparsegenError("the integer-dot kernels could not be built on this machine (see the message above)")
+    return torch.ops.sparsegen.int4_linear(x, nibbles, scales, mins)
+
+
+class IntDotLinear(PackedLinear):
+    """int2-int4 weights as nibbles with an fp32 scale and minimum per block of 32 inputs
+    (w = u * scale - min), multiplied by int8-rounded inputs."""
+
+    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias=None) -> None:
+        super().__init__(nibbles.shape[1] * 2, nibbles.shape[0], bias)
+        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        # the op is registered: making this layer (`int_dot_linear`) built the kernels
+        out = torch.ops.sparsegen.int4_linear(flat, self.nibbles, self.scales, self.mins).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, int4 x int8 integer dot, blocks of {BLOCK}"
+
+
+def repack(integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):
+    """A grid (signed int4 `integers` [out, in], w = (q - zero) * scale per group) in the kernel's
+    layout: nibbles [out, in / 2] (byte j of each block of 32: input j low, input j + 16 high,
+    u = q + 8) and fp32 scales and mins [out, in / 32] (w = u * scale - min)."""
+    out_features, in_features = integers.shape
+    per_group = in_features // scale.shape[1] // BLOCK
+    codes = (integers.to(torch.int16) + 8).to(torch.uint8).view(out_features, -1, 2, BLOCK // 2)
+    nibbles = (codes[:, :, 0] | codes[:, :, 1] << 4).reshape(out_features, in_features // 2)
+    scales = scale.float().repeat_interleave(per_group, 1)
+    mins = (8 + zero_point.float()).repeat_interleave(per_group, 1) * scales
+    return nibbles.contiguous(), scales.contiguous(), mins.contiguous()
+
+
+def int_dot_linear(integers, scale, zero_point, bits: int, bias=None) -> IntDotLinear | str:
+    """The integer-dot layer for a grid, or why it cannot take it."""
+    out_features, in_features = integers.shape
+    if bits > 4:
+        return f"int{bits} weights: integer-dot products are written for int2-int4"
+    if integers.device.type != "cpu":
+        return "integer-dot products run on a CPU"
+    if in_features % (scale.shape[1] * BLOCK):
+        return f"groups of {in_features // scale.shape[1]} inputs: integer-dot products take multiples of {BLOCK}"
+    if _extension() is None:
+        return "the integer-dot kernels could not be built"
+    return IntDotLinear(*repack(integers, scale, zero_point), bias)
+
+
+def checked_activation_bits(bits: int | None) -> int | None:
+    """`bits` if packed layers can round their inputs to that many (None: weight-only products)."""
+    if bits not in ACTIVATION_BITS:
+        raise SparsegenError(f"activation_bits must be 8 (integer-dot products) or None (weight-only), got {bits!r}")
+    return bits

@@ -1,0 +1,169 @@
+// A linear layer with 4-bit weights whose products are integer dot products: each row of the input
+// is rounded to int8 in blocks of 32 (one fp32 step per block) inside the op, and each block's
+// 32 weight nibbles times 32 input bytes are summed as integers (vpmaddubsw + vpmaddwd on AVX2,
+// vpdpbusd with AVX-512 VNNI), then scaled once per block. The idea is llama.cpp's q4 x q8 dot;
+// the layout is sparsegen's own (sparsegen/quant/int_dot.py repacks a checkpoint's grid into it):
+//
+//   nibbles [out, in / 2] uint8: per block of 32 inputs, 16 bytes; byte j holds input j in its low
+//            nibble and input j + 16 in its high one, each an unsigned code u in 0..15;
+//   scales, mins [out, in / 32] fp32: the weight is u * scale - min.
+//
+// For input row r and output o: sum over blocks b of step_rb * (scale_ob * sum_j u_j a_rj - min_ob * A_rb),
+// with a the int8 codes, step the block's fp32 step and A the sum of its codes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPARSEGEN_AVX2 1
+#endif
+#if defined(SPARSEGEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPARSEGEN_VNNI 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowsAtOnce = 4;
+
+struct RoundedRows {  // the input rows in int8, per block: the step and step * sum of codes
+  std::vector<int8_t> codes;
+  std::vector<float> step, step_times_sum;
+};
+
+RoundedRows round_rows(const float* x, int64_t rows, int64_t in) {
+  const int64_t blocks = in / kBlock;
+  RoundedRows r{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
+                std::vector<float>(rows * blocks)};
+  for (int64_t i = 0; i < rows * blocks; ++i) {
+    const float* from = x + i * kBlock;
+    float largest = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) largest = std::max(largest, std::fabs(from[j]));
+    const float step = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int32_t code = static_cast<int32_t>(std::nearbyint(from[j] * inverse));
+      r.codes[i * kBlock + j] = static_cast<int8_t>(code);
+      sum += code;
+    }
+    r.step[i] = step;
+    r.step_times_sum[i] = step * static_cast<float>(sum);
+  }
+  return r;
+}
+
+#ifdef SPARSEGEN_AVX2
+// The 32 codes of one weight block, in input order, as unsigned bytes.
+inline __m256i weight_block(const uint8_t* p) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+// Eight partial sums of u . a over one block, as floats.
+inline __m256 block_dot(__m256i u, const int8_t* a) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+#ifdef SPARSEGEN_VNNI
+  const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, codes);
+#else
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, codes), _mm256_set1_epi16(1));
+#endif
+  return _mm256_cvtepi32_ps(sums);
+}
+
+inline float sum_of(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#endif
+
+inline float dot_floats(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Outputs [first, last) for input rows [row0, row0 + count), count <= kRowsAtOnce.
+void output_range(const RoundedRows& r, const uint8_t* nibbles, const float* scales, const float* mins,
+                  int64_t in, int64_t out_features, int64_t row0, int64_t count, int64_t first, int64_t last,
+                  float* out) {
+  const int64_t blocks = in / kBlock;
+  for (int64_t o = first; o < last; ++o) {
+    const uint8_t* w = nibbles + o * in / 2;
+    const float* scale = scales + o * blocks;
+    float result[kRowsAtOnce];
+    for (int64_t k = 0; k < count; ++k)  // the minimum's share: one dot product a row, vectorized
+      result[k] = -dot_floats(mins + o * blocks, r.step_times_sum.data() + (row0 + k) * blocks, blocks);
+#ifdef SPARSEGEN_AVX2
+    // two accumulators a row (even and odd blocks) so consecutive blocks do not wait on each other
+    __m256 acc[kRowsAtOnce][2];
+    for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256i u = weight_block(w + b * kBlock / 2);
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t rb = (row0 + k) * blocks + b;
+        const __m256 factor = _mm256_set1_ps(scale[b] * r.step[rb]);
+        acc[k][b & 1] = _mm256_fmadd_ps(block_dot(u, r.codes.data() + rb * kBlock), factor, acc[k][b & 1]);
+      }
+    }
+    for (int64_t k = 0; k < count; ++k) result[k] += sum_of(_mm256_add_ps(acc[k][0], acc[k][1]));
+#else
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* p = w + b * kBlock / 2;
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t rb = (row0 + k) * blocks + b;
+        const int8_t* a = r.codes.data() + rb * kBlock;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < kBlock / 2; ++j) dot += (p[j] & 15) * a[j] + (p[j] >> 4) * a[j + kBlock / 2];
+        result[k] += scale[b] * r.step[rb] * dot;
+      }
+    }
+#endif
+    for (int64_t k = 0; k < count; ++k) out[(row0 + k) * out_features + o] = result[k];
+  }
+}
+
+}  // namespace
+
+// x [rows, in] fp32 -> [rows, out] fp32.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scales, torch::Tensor mins) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(), "int4_linear: fp32 [rows, in]");
+  const int64_t rows = x.size(0), in = x.size(1), out_features = nibbles.size(0);
+  TORCH_CHECK(in % kBlock == 0 && nibbles.size(1) * 2 == in && nibbles.scalar_type() == torch::kUInt8 &&
+                  nibbles.is_contiguous(),
+              "int4_linear: nibbles [out, in / 2] uint8 with in a multiple of 32");
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.scalar_type() == torch::kFloat &&
+                  mins.scalar_type() == torch::kFloat && scales.numel() == out_features * in / kBlock &&
+                  mins.numel() == scales.numel(),
+              "int4_linear: fp32 scales and mins [out, in / 32]");
+  const RoundedRows r = round_rows(x.data_ptr<float>(), rows, in);
+  auto out = torch::empty({rows, out_features}, x.options());
+  const uint8_t* w = nibbles.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* m = mins.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    for (int64_t row0 = 0; row0 < rows; row0 += kRowsAtOnce)
+      output_range(r, w, s, m, in, out_features, row0, std::min(kRowsAtOnce, rows - row0), first, last, o);
+  });
+  return out;
+}
+
+// The shape alone, for tracing: a compiled step keeps the op as one opaque call.
+torch::Tensor int4_linear_meta(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scales, torch::Tensor mins) {
+  return torch::empty({x.size(0), nibbles.size(0)}, x.options());
+}
+
+// Registered with the dispatcher from C++, so a call costs no Python.
+TORCH_LIBRARY_FRAGMENT(sparsegen, m) { m.def("int4_linear(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor"); }
+TORCH_LIBRARY_IMPL(sparsegen, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("int4_linear", &int4_linear_meta); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
