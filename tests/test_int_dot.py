@@ -8,7 +8,7 @@ import sparsegen
 from sparsegen.errors import SparsegenError
 from sparsegen.quant import quantize
 from sparsegen.quant.checkpoint import save_quantized
-from sparsegen.quant.int_dot import BLOCK, IntDotLinear, int4_linear, repack
+from sparsegen.quant.int_dot import BLOCK, MAX_ROWS, IntDotLinear, int4_linear, repack
 from sparsegen.quant.packed import Int4Linear, Int8Linear, pack_linear
 from tests.conftest import build_tiny, tiny_tokenizer
 from tests.test_packed import _grid
@@ -40,12 +40,12 @@ def test_the_op_equals_its_arithmetic_in_torch(rows, bits, group, symmetric):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
 
 
-def test_the_repacked_weight_is_the_grid():
+def test_the_repacked_weight_is_the_grid_and_prompts_multiply_it_in_float():
     integers, scale, zero_point, _ = _grid(4, 96, False)
-    nibbles, scales, mins = repack(integers, scale, zero_point)
-    pairs = nibbles.view(nibbles.shape[0], -1, BLOCK // 2)
-    u = torch.cat([pairs & 15, pairs >> 4], -1).float()
-    weight = (u * scales[..., None] - mins[..., None]).flatten(1)
+    layer = IntDotLinear(*repack(integers, scale, zero_point))
+    weight = layer.weight()
+    prompt = torch.randn(MAX_ROWS + 1, integers.shape[1])
+    torch.testing.assert_close(layer(prompt), prompt @ weight.T)
     group = integers.shape[1] // scale.shape[1]
     grid = (integers.float().unflatten(1, (-1, group)) - zero_point.float()[..., None]) * scale.float()[..., None]
     torch.testing.assert_close(weight, grid.flatten(1), rtol=0, atol=1e-5)

@@ -22,6 +22,8 @@ from sparsegen.quant.packed import PackedLinear
 
 SOURCE = Path(__file__).parent / "kernels" / "int_dot.cpp"
 BLOCK = 32
+MAX_ROWS = 16
+"""More rows than this (a prompt being read) multiply the decoded weight in float."""
 ACTIVATION_BITS = (None, 8)
 
 
@@ -49,10 +51,18 @@ class IntDotLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        # the op is registered: making this layer (`int_dot_linear`) built the kernels
-        out = torch.ops.sparsegen.int4_linear(flat, self.nibbles, self.scales, self.mins).to(x.dtype)
+        if flat.shape[0] > MAX_ROWS:  # a prompt: a float GEMM over the weight decoded once beats row dots
+            out = torch.nn.functional.linear(flat, self.weight()).to(x.dtype)
+        else:  # the op is registered: making this layer (`int_dot_linear`) built the kernels
+            out = torch.ops.sparsegen.int4_linear(flat, self.nibbles, self.scales, self.mins).to(x.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    def weight(self) -> torch.Tensor:
+        """The float weight [out, in] the nibbles hold."""
+        pairs = self.nibbles.view(self.out_features, -1, BLOCK // 2)
+        codes = torch.cat([pairs & 15, pairs >> 4], -1).float()  # [out, blocks, 32] in input order
+        return (codes * self.scales[..., None] - self.mins[..., None]).flatten(1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int4 x int8 integer dot, blocks of {BLOCK}"
