@@ -2,11 +2,11 @@
 
 `held_scores` is each query's dot product with each held key, `held_mix` the attention
 probabilities times the held values, both over byte rows with the ring of newest tokens
-(`kv.quantized`): `torch.library` ops (one opaque call in a compiled step, with a fake
-implementation for tracing) over C++ (`kv_int.cpp`) that decodes one row at a time into a buffer
-that stays in L1. The C++ is built on first use with the machine's compiler; where it cannot be built
-(`kernels_available()` is False, said once; `sparsegen.native`) the fast path decodes the whole
-cache and multiplies in torch instead.
+(`kv.quantized`): ops registered with torch's dispatcher from C++ (`kv_int.cpp`; one opaque call in
+a compiled step, with a meta implementation for tracing; callable once `kernels_available()`)
+that decode one row at a time into a buffer that stays in L1. The C++ is built on first use with
+the machine's compiler; where it cannot be built (`kernels_available()` is False, said once;
+`sparsegen.native`) the fast path decodes the whole cache and multiplies in torch instead.
 """
 
 from __future__ import annotations
@@ -30,42 +30,6 @@ def kernels_available() -> bool:
     return _extension() is not None
 
 
-@torch.library.custom_op("sparsegen::kv_scores", mutates_args=())
-def _kv_scores(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    ring: torch.Tensor,
-    positions: torch.Tensor,
-    seen: torch.Tensor,
-    bits: int,
-    group: int,
-) -> torch.Tensor:
-    return _extension().kv_scores(query, keys, ring, positions, seen, bits, group)
-
-
-@_kv_scores.register_fake
-def _(query, keys, ring, positions, seen, bits, group):
-    return query.new_empty(*query.shape[:3], keys.shape[2])
-
-
-@torch.library.custom_op("sparsegen::kv_mix", mutates_args=())
-def _kv_mix(
-    probs: torch.Tensor,
-    values: torch.Tensor,
-    ring: torch.Tensor,
-    positions: torch.Tensor,
-    seen: torch.Tensor,
-    bits: int,
-    group: int,
-) -> torch.Tensor:
-    return _extension().kv_mix(probs, values, ring, positions, seen, bits, group)
-
-
-@_kv_mix.register_fake
-def _(probs, values, ring, positions, seen, bits, group):
-    return probs.new_empty(*probs.shape[:3], ring.shape[-1])
-
-
 def _slots(positions: torch.Tensor, seen: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [b, h, n] and seen (one count a row) as the kernels read them."""
     seen = torch.as_tensor(seen, device=positions.device).reshape(-1).expand(positions.shape[0])
@@ -78,7 +42,9 @@ def held_scores(query, keys, codec: KVCodec, positions, seen, recent_keys) -> to
     the others decoded; 0 at free slots. fp32 [b, h, g, n]."""
     positions, seen = _slots(positions, seen)
     ring = recent_keys.float().contiguous()
-    return _kv_scores(query.float().contiguous(), keys, ring, positions, seen, codec.bits, codec.group)
+    return torch.ops.sparsegen.kv_scores(
+        query.float().contiguous(), keys, ring, positions, seen, codec.bits, codec.group
+    )
 
 
 def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> torch.Tensor:
@@ -86,4 +52,6 @@ def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> t
     [b, h, R, d], the others decoded; free slots skipped): fp32 [b, h, g, d]."""
     positions, seen = _slots(positions, seen)
     ring = recent_values.float().contiguous()
-    return _kv_mix(probs.float().contiguous(), values, ring, positions, seen, codec.bits, codec.group)
+    return torch.ops.sparsegen.kv_mix(
+        probs.float().contiguous(), values, ring, positions, seen, codec.bits, codec.group
+    )

@@ -199,7 +199,29 @@ torch::Tensor kv_mix(torch::Tensor probs, torch::Tensor values, torch::Tensor ri
   return partial.select(2, 1).sum(1).view({b, h, g, d});
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kv_scores", &kv_scores, "query . held keys (bytes or ring)");
-  m.def("kv_mix", &kv_mix, "probabilities x held values (bytes or ring)");
+// Shapes alone, for tracing: a compiled step keeps each op as one opaque call.
+torch::Tensor kv_scores_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
+                             torch::Tensor seen, int64_t bits, int64_t group) {
+  return torch::empty({query.size(0), query.size(1), query.size(2), keys.size(2)}, query.options());
 }
+
+torch::Tensor kv_mix_meta(torch::Tensor probs, torch::Tensor values, torch::Tensor ring, torch::Tensor positions,
+                          torch::Tensor seen, int64_t bits, int64_t group) {
+  return torch::empty({probs.size(0), probs.size(1), probs.size(2), ring.size(3)}, probs.options());
+}
+
+// Registered with the dispatcher from C++, so a call costs no Python.
+TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
+  m.def("kv_scores(Tensor query, Tensor keys, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
+  m.def("kv_mix(Tensor probs, Tensor values, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
+  m.impl("kv_scores", &kv_scores);
+  m.impl("kv_mix", &kv_mix);
+}
+TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
+  m.impl("kv_scores", &kv_scores_meta);
+  m.impl("kv_mix", &kv_mix_meta);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
