@@ -15,7 +15,12 @@ import torch
 from sparsegen.bench.kv import bytes_per_step, generate_latency
 from sparsegen.bench.measure import in_process as _in_process
 from sparsegen.bench.measure import read_bandwidth_gbs, weight_bytes
-from sparsegen.bench.quantized import llama_cpp_row, quality_worker, quantized_checkpoints
+from sparsegen.bench.quantized import (
+    integer_dot_quality_worker,
+    llama_cpp_row,
+    quality_worker,
+    quantized_checkpoints,
+)
 from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.models import DTYPES, kv_bytes_per_token
@@ -151,22 +156,21 @@ def _packed_quality(
 ) -> tuple[dict[str, dict], list[str]]:
     """Each packed checkpoint's perplexity against its dequantized self, each in its own process; and
     a sentence per checkpoint."""
-    runs = [(label, path, {}) for label, path in folders.items()]
-    runs += [("int4 integer-dot", path, {"activation_bits": 8}) for label, path in folders.items() if label == "int4"]
     quality = {
-        label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads, device=device, **options)
-        for label, path, options in runs
+        label: _in_process(quality_worker, str(path), quality_text, 1024, 4, threads, device=device)
+        for label, path in folders.items()
     }
     notes = [
         f"{label} packed: perplexity {q['ppl_packed']:.3f} vs {q['ppl_dequantized']:.3f} dequantized "
         f"({100 * q['ppl_change']:+.2f}%, {q['tokens']} tokens of {quality_text})"
         for label, q in quality.items()
     ]
-    if "int4 integer-dot" in quality:
-        dots, weight_only = quality["int4 integer-dot"]["ppl_packed"], quality["int4"]["ppl_packed"]
+    if "int4" in folders and device in (None, "cpu"):
+        dots = _in_process(integer_dot_quality_worker, str(folders["int4"]), quality_text, 2048, threads)
+        quality["int4 integer-dot"] = dots
         notes.append(
-            f"int4 integer-dot against int4 weight-only: perplexity {dots:.3f} vs {weight_only:.3f} "
-            f"({100 * (dots / weight_only - 1):+.2f}%)"
+            f"int4 integer-dot against int4 weight-only, 16 tokens a forward: perplexity {dots['ppl_integer_dot']:.3f}"
+            f" vs {dots['ppl_weight_only']:.3f} ({100 * dots['ppl_change']:+.2f}%, {dots['tokens']} tokens)"
         )
     return quality, notes
 
