@@ -90,6 +90,34 @@ inline float dot_floats(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+#ifdef SPARSEGEN_AVX2
+// One block's contribution for each of kRows input rows: acc[k] += (u . a_k) * scale * step_k.
+template <int kRows>
+inline void add_block(const RoundedRows& r, __m256i u, float scale, int64_t first_block, int64_t blocks,
+                      __m256* acc) {
+  for (int k = 0; k < kRows; ++k) {  // unrolled: kRows is known, so acc stays in registers
+    const int64_t rb = first_block + k * blocks;
+    const __m256 factor = _mm256_set1_ps(scale * r.step[rb]);
+    acc[k] = _mm256_fmadd_ps(block_dot(u, r.codes.data() + rb * kBlock), factor, acc[k]);
+  }
+}
+
+template <int kRows>
+void products(const RoundedRows& r, const uint8_t* w, const float* scale, int64_t row0, int64_t blocks,
+              float* result) {
+  // two accumulators a row (even and odd blocks), so consecutive blocks do not wait on each other
+  __m256 even[kRows], odd[kRows];
+  for (int k = 0; k < kRows; ++k) even[k] = odd[k] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    add_block<kRows>(r, weight_block(w + b * kBlock / 2), scale[b], row0 * blocks + b, blocks, even);
+    add_block<kRows>(r, weight_block(w + (b + 1) * kBlock / 2), scale[b + 1], row0 * blocks + b + 1, blocks, odd);
+  }
+  if (b < blocks) add_block<kRows>(r, weight_block(w + b * kBlock / 2), scale[b], row0 * blocks + b, blocks, even);
+  for (int k = 0; k < kRows; ++k) result[k] += sum_of(_mm256_add_ps(even[k], odd[k]));
+}
+#endif
+
 // Outputs [first, last) for input rows [row0, row0 + count), count <= kRowsAtOnce.
 void output_range(const RoundedRows& r, const uint8_t* nibbles, const float* scales, const float* mins,
                   int64_t in, int64_t out_features, int64_t row0, int64_t count, int64_t first, int64_t last,
@@ -102,18 +130,12 @@ void output_range(const RoundedRows& r, const uint8_t* nibbles, const float* sca
     for (int64_t k = 0; k < count; ++k)  // the minimum's share: one dot product a row, vectorized
       result[k] = -dot_floats(mins + o * blocks, r.step_times_sum.data() + (row0 + k) * blocks, blocks);
 #ifdef SPARSEGEN_AVX2
-    // two accumulators a row (even and odd blocks) so consecutive blocks do not wait on each other
-    __m256 acc[kRowsAtOnce][2];
-    for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m256i u = weight_block(w + b * kBlock / 2);
-      for (int64_t k = 0; k < count; ++k) {
-        const int64_t rb = (row0 + k) * blocks + b;
-        const __m256 factor = _mm256_set1_ps(scale[b] * r.step[rb]);
-        acc[k][b & 1] = _mm256_fmadd_ps(block_dot(u, r.codes.data() + rb * kBlock), factor, acc[k][b & 1]);
-      }
+    switch (count) {
+      case 1: products<1>(r, w, scale, row0, blocks, result); break;
+      case 2: products<2>(r, w, scale, row0, blocks, result); break;
+      case 3: products<3>(r, w, scale, row0, blocks, result); break;
+      default: products<4>(r, w, scale, row0, blocks, result); break;
     }
-    for (int64_t k = 0; k < count; ++k) result[k] += sum_of(_mm256_add_ps(acc[k][0], acc[k][1]));
 #else
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* p = w + b * kBlock / 2;
