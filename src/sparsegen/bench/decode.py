@@ -23,7 +23,7 @@ from sparsegen.bench.quantized import (
 )
 from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.models import DTYPES, kv_bytes_per_token
+from sparsegen.models import DTYPES, kv_bytes_per_token, kv_ring_bytes
 from sparsegen.report import markdown_table, run_meta
 
 
@@ -300,13 +300,19 @@ def bench_throughput(
 ) -> dict:
     """H2O's headline experiment: in one KV memory budget, the largest batch that fits for dense,
     h2o (heavy + recent = 2 x `heavy_share` of the prompt), and streaming of the same size; then
-    tokens/s of each at that batch. Each of `kv_bits` adds the three with their KV in those bits."""
+    tokens/s of each at that batch. Each of `kv_bits` adds the three with their KV in those bits
+    (a rounded row counted with its ring of newest tokens, as the server admits it)."""
     from sparsegen.loading import load
 
     threads = threads or torch.get_num_threads()
     model, _ = load(model_name, device=device)
     per_token = {bits: kv_bytes_per_token(model, kv_bits=bits) for bits in (None, *kv_bits)}
+    ring = {bits: kv_ring_bytes(model, bits) for bits in per_token}  # a rounded row's newest tokens
     del model
+
+    def row_bytes(bits: int | None, slots: int) -> int:
+        return slots * per_token[bits] + ring[bits]
+
     share = int(heavy_share * prompt)
     configs = [
         ("dense", "full", {}, -(-(prompt + new_tokens) // 64) * 64),
@@ -316,14 +322,14 @@ def bench_throughput(
     rows = []
     for bits, (label, policy, budget, slots) in ((bits, c) for bits in per_token for c in configs):
         label += "" if bits is None else f", KV int{bits}"
-        batch = min(max_batch, int(kv_mb * 1e6 // (slots * per_token[bits])))
+        batch = min(max_batch, int(kv_mb * 1e6 // row_bytes(bits, slots)))
         if batch < 1:
             rows.append({"config": label, "batch": 0})
             continue
         progress(f"{label}: batch {batch}")
         worker_args = (model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads)
         result = _in_process(_fast_worker, *worker_args, device=device, kv_bits=bits)
-        rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * slots * per_token[bits] / 1e6})
+        rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * row_bytes(bits, slots) / 1e6})
     meta = run_meta(model=model_name, text=text, prompt=prompt, new_tokens=new_tokens, kv_budget_mb=kv_mb)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_throughput.json", {"meta": meta, "rows": rows})
