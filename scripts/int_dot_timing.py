@@ -1,6 +1,7 @@
 """Integer-dot int4 products against PyTorch's weight-only int4 kernel (docs/benchmarks.md,
 "Integer-dot int4 products"): one layer per SmolLM2 shape at 1 and 2 threads, then batch-1
-decode after 1,024 tokens through the compiled step, fp32 / int4 weight-only / int4 integer-dot.
+decode after 1,024 tokens through the compiled step, fp32 / int4 weight-only / int4 integer-dot,
+each twice, each in a process of its own.
 Run it on a quiet machine, with an int4 checkpoint (`sparsegen quantize --bits 4 --out QDIR`).
 
     python scripts/int_dot_timing.py QDIR
