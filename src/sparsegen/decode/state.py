@@ -129,8 +129,10 @@ class LayerState:
         live = self.positions[row] >= 0
         order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[:, : int(live[0].sum())]
         order = order.gather(1, self.positions[row].gather(1, order).argsort(-1))
-        keys = self.keys[row].gather(1, order[..., None].expand(-1, -1, self.keys.shape[3]))[None].to(dtype)
-        values = self.values[row].gather(1, order[..., None].expand(-1, -1, self.values.shape[3]))[None].to(dtype)
+        keys, values = (
+            buffer[row].gather(1, order[..., None].expand(-1, -1, buffer.shape[3]))[None].to(dtype)
+            for buffer in (self.keys, self.values)
+        )
         layer.keys, layer.values, layer.is_initialized = keys, values, True
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.cumulative_length = seen
