@@ -256,3 +256,33 @@ def test_generate_leaves_the_model_as_given():
         assert sum(len(m._forward_pre_hooks) for m in model.modules()) == model.config.num_hidden_layers
     assert model.config._attn_implementation == before
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_step_compiled_for_varying_rows_never_recompiles_and_equals_eager():
+    """Rows of different lengths join (the slots grow) and leave a `rows_vary` decoder holding its
+    KV in 4 bits (the byte kernels inside the graph): two graphs in all, the eager logits."""
+    from torch._dynamo.utils import counters
+
+    model = build_tiny("llama")
+    joins = [[list(range(3, 12))], [list(range(5, 19)), list(range(7, 21))], [list(range(4, 40))]]
+    outputs = {}
+    for mode in ("never", "always"):
+        graphs = counters["stats"]["unique_graphs"]
+        decoder = Decoder(model, "full", compile=mode, kv_bits=4, rows_vary=True, notify=lambda _: None)
+        logits, seen = None, []
+        with policy_attention(model):
+            for prompts in joins:
+                caches, joined = decoder.prefill(prompts)
+                decoder.join([cache for _, cache in caches], 6)
+                logits = joined if logits is None else torch.cat([logits, joined])
+                for _ in range(3):
+                    logits = decoder.step(logits.argmax(-1))
+                    seen.append(logits)
+                if decoder.rows == 3:
+                    decoder.leave([0])
+                    logits = logits[1:]
+        outputs[mode] = seen
+        if mode == "always":
+            assert counters["stats"]["unique_graphs"] - graphs == 2  # one row; any other count
+    for eager, compiled in zip(outputs["never"], outputs["always"], strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)

@@ -30,6 +30,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return (out if bias is None else out + bias).to(x.dtype)
     if rows > WEIGHT_MAJOR_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
+    return _weight_major(x, weight, bias, rows)
+
+
+def _weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows) -> torch.Tensor:
     out = (weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
@@ -38,13 +42,22 @@ def _gemv_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
-def use_gemv(model: torch.nn.Module) -> list[torch.nn.Linear]:
+def _any_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows == 1:  # decided without a guard: a free row count starts at 2 (one row is its own graph)
+        return linear(x, self.weight, self.bias)
+    return _weight_major(x, self.weight, self.bias, rows)
+
+
+def use_gemv(model: torch.nn.Module, rows_vary: bool = False) -> list[torch.nn.Linear]:
     """Give every `nn.Linear` of `model` the decode step's few-row product (`linear`) until
     `restore_linears` gets the returned list: the compiled step's graph is traced through it.
-    The values are `F.linear`'s."""
+    With `rows_vary` (one graph for every row count above one) those products are weight first, as
+    `linear`'s eager form, which asks nothing of the row count. The values are `F.linear`'s."""
+    forward = _any_rows_forward if rows_vary else _gemv_forward
     patched = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
     for module in patched:
-        module.forward = types.MethodType(_gemv_forward, module)
+        module.forward = types.MethodType(forward, module)
     return patched
 
 

@@ -258,6 +258,11 @@ def serve(
     max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
     kv_bits: int | None = KvBitsOpt,
     activation_bits: int | None = ActivationBitsOpt,
+    compile: bool = typer.Option(
+        True,
+        "--compile/--no-compile",
+        help="Compile the batched decode step before serving (minutes the first time, cached after).",
+    ),
     device: str | None = DeviceOpt,
 ) -> None:
     """OpenAI-compatible server (chat and completions, streaming) that batches every request into one
@@ -267,6 +272,8 @@ def serve(
     from sparsegen.kv.policy import count_or_share
     from sparsegen.serve import build_app
 
+    if compile:
+        err.print("compiling the batched decode step (minutes the first time, about one cached; --no-compile skips)")
     application = build_app(
         model,
         policy,
@@ -278,6 +285,7 @@ def serve(
         device=device,
         kv_bits=kv_bits,
         activation_bits=activation_bits,
+        compile=compile,
     )
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
     uvicorn.run(application, host=host, port=port, log_level="warning")

@@ -56,7 +56,9 @@ class Decoder:
     (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
     dtype on a GPU; `kv_bits` (8 or 4) holds them rounded instead (`kv.quantized`), prompt and
     held conversations included. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
-    and the CPU's few-row product is not used.
+    and the CPU's few-row product is not used. `rows_vary`: rows join and leave between steps (the
+    server); the compiled step is then traced once for one row and once for any other row count and
+    slot count (`StaticKV.varying`), so rows joining and leaving never compile it again.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Decoder:
         notify: Callable[[str], None] = _say_to_stderr,
         prefill_chunk: int | None = None,
         kv_bits: int | None = None,
+        rows_vary: bool = False,
         **budget: int | float,
     ) -> None:
         if compile not in COMPILE_MODES:
@@ -85,6 +88,7 @@ class Decoder:
         self.notify = notify
         self.prefill_chunk = prefill_chunk
         self.kv_bits = kv_bits
+        self.rows_vary = rows_vary
         self.state: StaticKV | None = None
         self._eager = DecodeStep(model)
         self.mode = "eager"
@@ -134,7 +138,7 @@ class Decoder:
             layers.append(stack(parts, capacity_for(parts, max_new_tokens), self.kv_dtype))
         counts = [cache.get_seq_length() for cache in caches for _ in range(_rows(cache))]
         seen = torch.tensor(counts, device=layers[0].keys.device)
-        joining = StaticKV(layers, seen)
+        joining = StaticKV(layers, seen, varying=self.rows_vary)
         if self.state is None or not self.rows:
             self.state = joining
         else:
@@ -204,8 +208,9 @@ class Decoder:
             return
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
         if self.device.type == "cpu":
-            self.patched = use_gemv(self.model)  # kept while the compiled step lives; `release()` undoes it
-            self._step = torch.compile(self._eager, dynamic=False)
+            # kept while the compiled step lives; `release()` undoes it
+            self.patched = use_gemv(self.model, self.rows_vary)
+            self._step = torch.compile(self._eager, dynamic=None if self.rows_vary else False)
         else:  # replayed as a CUDA graph over slots marked static (recorded again when rows change)
             self._step = torch.compile(self._eager, dynamic=False, mode="reduce-overhead")
         self.mode = "compiled"
@@ -226,6 +231,8 @@ class Decoder:
             self._switch_to_compiled()
         self.state.seen += 1
         self._steps += 1
+        if self.rows_vary:
+            torch._dynamo.maybe_mark_dynamic(tokens, 0)
         if self.mode != "compiled":
             if self.device.type != "cpu":
                 return self._step(tokens, self.state)

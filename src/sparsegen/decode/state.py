@@ -248,10 +248,13 @@ class LayerState:
 @dataclass
 class StaticKV:
     """Every layer's `LayerState` (None for a layer without attention state), passed to each
-    attention call as the `static_kv` keyword, with each row's token count so far."""
+    attention call as the `static_kv` keyword, with each row's token count so far. `varying`: the
+    row count and the slot count are left free in a compiled step (rows join and leave a server's
+    batch), so a change of either does not compile it again."""
 
     layers: list[LayerState]
     seen: torch.Tensor
+    varying: bool = False
 
     def __post_init__(self) -> None:
         self._mark_static()
@@ -272,8 +275,18 @@ class StaticKV:
         self._mark_static()
 
     def _mark_static(self) -> None:
-        """On a GPU, tell the compiler the slots keep their addresses from step to step (a CUDA
-        graph replays over them); done whenever rows join or leave, as new buffers replace them."""
+        """Tell the compiler what changes between steps, whenever rows join or leave (new buffers
+        replace the old): with `varying`, the rows and slots dimensions; on a GPU, that the slots
+        keep their addresses from step to step (a CUDA graph replays over them)."""
+        if self.varying:
+            for layer in self.layers:
+                for name in layer.per_row:
+                    torch._dynamo.maybe_mark_dynamic(getattr(layer, name), 0)
+                for name in ("keys", "values", "positions", "scores"):
+                    torch._dynamo.maybe_mark_dynamic(getattr(layer, name), 2)
+                for part in PARTS:
+                    torch._dynamo.maybe_mark_dynamic(getattr(layer.sizes, part), 0)
+            torch._dynamo.maybe_mark_dynamic(self.seen, 0)
         if not self.seen.is_cuda:
             return
         for layer in self.layers:

@@ -22,6 +22,7 @@ def build_app(
     device: str | None = None,
     kv_bits: int | None = None,
     activation_bits: int | None = None,
+    compile: bool = False,
 ) -> FastAPI:
     """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
 
@@ -29,7 +30,8 @@ def build_app(
     policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
     and held conversation (counted in `kv_bits` where a request holds its KV rounded); up to
     `max_queue` requests wait for room, later ones get a 429. `activation_bits=8` loads an int4
-    checkpoint with integer-dot products (`sparsegen.load`).
+    checkpoint with integer-dot products (`sparsegen.load`). `compile=True` compiles the batched
+    decode step before serving (`Engine`): minutes the first time, about a minute from the cache.
     """
     from sparsegen.loading import load
 
@@ -45,6 +47,7 @@ def build_app(
         prefill_chunk=prefill_chunk,
         max_queue=max_queue,
         kv_bits=kv_bits,
+        compile=compile,
     )
     limit = network.config.get_text_config(decoder=True).max_position_embeddings
     name = model_id or (model if isinstance(model, str) else "sparsegen")

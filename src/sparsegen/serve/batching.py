@@ -9,7 +9,9 @@ steps; a long prompt delays other rows' tokens by at most one chunk (a policy th
 prompt once reads a new prompt whole, so its choice sees all of it).
 
 Chat answers leave their cache held between requests (`serve.conversations`), counted against
-the same KV memory.
+the same KV memory. With `compile=True` each lane's step is compiled for one row and for any
+other row count (`Decoder(rows_vary=True)`), the default lane's before the engine starts, so
+rows joining and leaving never compile it again.
 """
 
 from __future__ import annotations
@@ -109,8 +111,10 @@ class Engine:
         prefill_chunk: int = 512,
         max_queue: int = 64,
         kv_bits: int | None = None,
+        compile: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.compile = compile
         self.kv_bits = checked_bits(kv_bits)  # a bad width fails now, not at the first request
         self.policy, self.budget = policy, budget or {}
         self.prefill_chunk = prefill_chunk
@@ -126,6 +130,9 @@ class Engine:
         self.lanes: dict[tuple, Lane] = {}
         self.device = next(model.parameters()).device
         self._lock = threading.Lock()
+        if compile:
+            with policy_attention(model):
+                self._warm()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="sparsegen-engine", daemon=True)
         self._thread.start()
@@ -261,12 +268,32 @@ class Engine:
                 return
             key = self._lane_key(job)
             if key not in self.lanes:
-                self.lanes[key] = Lane(Decoder(self.model, job.kv_policy, compile="never", kv_bits=job.kv_bits))
+                self.lanes[key] = Lane(self._decoder(job.kv_policy, job.kv_bits))
             lane = self.lanes[key]
             lane.decoder.join([job.cache], job.max_tokens)
             lane.jobs.append(job)
             lane.logits = logits[None] if lane.logits is None else torch.cat([lane.logits, logits[None]])
         job.cache = None  # the row lives in the lane now
+
+    def _decoder(self, policy: Policy, kv_bits: int | None) -> Decoder:
+        """A lane's decoder: its step compiled (once for one row, once for any other count) or eager."""
+        mode = "always" if self.compile else "never"
+        return Decoder(self.model, policy, compile=mode, kv_bits=kv_bits, rows_vary=True)
+
+    @torch.inference_mode()
+    def _warm(self) -> None:
+        """Compile the default lane's step, for one row and for two (which serves every count
+        above one), before the engine takes requests (minutes the first time; cached on disk)."""
+        policy = self.kv_policy(None, None)
+        decoder = self._decoder(policy, self.kv_bits)
+        prompt = list(range(1, 9))
+        for rows in (1, 2):
+            caches, logits = decoder.prefill([prompt] * rows)
+            decoder.start_from(caches, 1)
+            decoder.step(logits.argmax(-1))
+        decoder.leave(list(range(decoder.rows)))
+        key = self._lane_key(Job(prompt, 1, print, kv_policy=policy, kv_bits=self.kv_bits))
+        self.lanes[key] = Lane(decoder)
 
     @staticmethod
     def _lane_key(holder: Job | PolicyCache) -> tuple:

@@ -199,15 +199,16 @@ torch::Tensor kv_mix(torch::Tensor probs, torch::Tensor values, torch::Tensor ri
   return partial.select(2, 1).sum(1).view({b, h, g, d});
 }
 
-// Shapes alone, for tracing: a compiled step keeps each op as one opaque call.
+// Shapes alone, for tracing: a compiled step keeps each op as one opaque call. Symbolic sizes, so a
+// graph traced for any row count or slot count stays one graph.
 torch::Tensor kv_scores_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
                              torch::Tensor seen, int64_t bits, int64_t group) {
-  return torch::empty({query.size(0), query.size(1), query.size(2), keys.size(2)}, query.options());
+  return at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2), keys.sym_size(2)}, query.options());
 }
 
 torch::Tensor kv_mix_meta(torch::Tensor probs, torch::Tensor values, torch::Tensor ring, torch::Tensor positions,
                           torch::Tensor seen, int64_t bits, int64_t group) {
-  return torch::empty({probs.size(0), probs.size(1), probs.size(2), ring.size(3)}, probs.options());
+  return at::empty_symint({probs.sym_size(0), probs.sym_size(1), probs.sym_size(2), ring.sym_size(3)}, probs.options());
 }
 
 // Registered with the dispatcher from C++, so a call costs no Python.

@@ -180,7 +180,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor nibbles, torch::Tensor 
 
 // The shape alone, for tracing: a compiled step keeps the op as one opaque call.
 torch::Tensor int4_linear_meta(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scales, torch::Tensor mins) {
-  return torch::empty({x.size(0), nibbles.size(0)}, x.options());
+  return at::empty_symint({x.sym_size(0), nibbles.sym_size(0)}, x.options());  // symbolic rows: one graph for any count
 }
 
 // Registered with the dispatcher from C++, so a call costs no Python.
