@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from sparsegen.bench.decode import _fast_worker
+from sparsegen.bench.decode import fast_decode_worker
 from sparsegen.bench.measure import in_process
 from sparsegen.quant import QuantScheme, make_quantizer
 from sparsegen.quant.int_dot import int_dot_linear
@@ -60,7 +60,7 @@ def decode_rows(folder: str) -> None:
     ):
         for run in range(2):
             args = (name, "shakespeare", 1024, 64, "fp32", "full", {}, 1, 2)
-            result = in_process(_fast_worker, *args, activation_bits=activation_bits)
+            result = in_process(fast_decode_worker, *args, activation_bits=activation_bits)
             print(f"{label}, process {run + 1}: {result['ms']:.1f} ms/token", flush=True)
 
 

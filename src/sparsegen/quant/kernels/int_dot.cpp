@@ -10,6 +10,10 @@
 //
 // For input row r and output o: sum over blocks b of step_rb * (scale_ob * sum_j u_j a_rj - min_ob * A_rb),
 // with a the int8 codes, step the block's fp32 step and A the sum of its codes.
+//
+// int8_linear does the same for 8-bit weights (a tied head's, as llama.cpp's Q8_0): codes [out, in]
+// int8 in input order and scales [out, in / 32] fp32, the weight q * scale. The byte products take
+// an unsigned operand, so each block multiplies |q| by a * sign(q) (vpsignb), which is exact.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -65,15 +69,24 @@ inline __m256i weight_block(const uint8_t* p) {
   return _mm256_and_si256(both, _mm256_set1_epi8(15));
 }
 
-// Eight partial sums of u . a over one block, as floats.
-inline __m256 block_dot(__m256i u, const int8_t* a) {
-  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+// Eight partial sums of u . codes over one block (u unsigned, codes signed), as floats.
+inline __m256 block_dot_codes(__m256i u, __m256i codes) {
 #ifdef SPARSEGEN_VNNI
   const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, codes);
 #else
   const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, codes), _mm256_set1_epi16(1));
 #endif
   return _mm256_cvtepi32_ps(sums);
+}
+
+inline __m256 block_dot(__m256i u, const int8_t* a) {
+  return block_dot_codes(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+}
+
+// Eight partial sums of q . a over one block of signed weights, as floats.
+inline __m256 signed_block_dot(__m256i q, const int8_t* a) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  return block_dot_codes(_mm256_sign_epi8(q, q), _mm256_sign_epi8(codes, q));
 }
 
 inline float sum_of(__m256 v) {
@@ -91,18 +104,26 @@ inline float dot_floats(const float* a, const float* b, int64_t n) {
 }
 
 #ifdef SPARSEGEN_AVX2
-// One block's contribution for each of kRows input rows: acc[k] += (u . a_k) * scale * step_k.
-template <int kRows>
-inline void add_block(const RoundedRows& r, __m256i u, float scale, int64_t first_block, int64_t blocks,
+// One block's contribution for each of kRows input rows: acc[k] += (w . a_k) * scale * step_k, with
+// w the block's unsigned codes (int4) or signed ones (int8).
+template <int kRows, bool kSigned>
+inline void add_block(const RoundedRows& r, __m256i w, float scale, int64_t first_block, int64_t blocks,
                       __m256* acc) {
   for (int k = 0; k < kRows; ++k) {  // unrolled: kRows is known, so acc stays in registers
     const int64_t rb = first_block + k * blocks;
     const __m256 factor = _mm256_set1_ps(scale * r.step[rb]);
-    acc[k] = _mm256_fmadd_ps(block_dot(u, r.codes.data() + rb * kBlock), factor, acc[k]);
+    const int8_t* a = r.codes.data() + rb * kBlock;
+    acc[k] = _mm256_fmadd_ps(kSigned ? signed_block_dot(w, a) : block_dot(w, a), factor, acc[k]);
   }
 }
 
-template <int kRows>
+template <bool kSigned>
+inline __m256i load_block(const uint8_t* w, int64_t b) {
+  if (kSigned) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
+  return weight_block(w + b * kBlock / 2);
+}
+
+template <int kRows, bool kSigned>
 void products(const RoundedRows& r, const uint8_t* w, const float* scale, int64_t row0, int64_t blocks,
               float* result) {
   // two accumulators a row (even and odd blocks), so consecutive blocks do not wait on each other
@@ -110,40 +131,51 @@ void products(const RoundedRows& r, const uint8_t* w, const float* scale, int64_
   for (int k = 0; k < kRows; ++k) even[k] = odd[k] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 1 < blocks; b += 2) {
-    add_block<kRows>(r, weight_block(w + b * kBlock / 2), scale[b], row0 * blocks + b, blocks, even);
-    add_block<kRows>(r, weight_block(w + (b + 1) * kBlock / 2), scale[b + 1], row0 * blocks + b + 1, blocks, odd);
+    add_block<kRows, kSigned>(r, load_block<kSigned>(w, b), scale[b], row0 * blocks + b, blocks, even);
+    add_block<kRows, kSigned>(r, load_block<kSigned>(w, b + 1), scale[b + 1], row0 * blocks + b + 1, blocks, odd);
   }
-  if (b < blocks) add_block<kRows>(r, weight_block(w + b * kBlock / 2), scale[b], row0 * blocks + b, blocks, even);
+  if (b < blocks) add_block<kRows, kSigned>(r, load_block<kSigned>(w, b), scale[b], row0 * blocks + b, blocks, even);
   for (int k = 0; k < kRows; ++k) result[k] += sum_of(_mm256_add_ps(even[k], odd[k]));
 }
 #endif
 
-// Outputs [first, last) for input rows [row0, row0 + count), count <= kRowsAtOnce.
-void output_range(const RoundedRows& r, const uint8_t* nibbles, const float* scales, const float* mins,
+// The integer sum of one block's weights times one row's codes, without vector instructions.
+template <bool kSigned>
+inline int32_t plain_block_dot(const uint8_t* w, const int8_t* a) {
+  int32_t dot = 0;
+  if (kSigned) {
+    for (int64_t j = 0; j < kBlock; ++j) dot += static_cast<int8_t>(w[j]) * a[j];
+  } else {
+    for (int64_t j = 0; j < kBlock / 2; ++j) dot += (w[j] & 15) * a[j] + (w[j] >> 4) * a[j + kBlock / 2];
+  }
+  return dot;
+}
+
+// Outputs [first, last) for input rows [row0, row0 + count), count <= kRowsAtOnce; `mins` is null
+// for signed (int8) weights.
+template <bool kSigned>
+void output_range(const RoundedRows& r, const uint8_t* weights, const float* scales, const float* mins,
                   int64_t in, int64_t out_features, int64_t row0, int64_t count, int64_t first, int64_t last,
                   float* out) {
-  const int64_t blocks = in / kBlock;
+  const int64_t blocks = in / kBlock, row_bytes = kSigned ? in : in / 2;
   for (int64_t o = first; o < last; ++o) {
-    const uint8_t* w = nibbles + o * in / 2;
+    const uint8_t* w = weights + o * row_bytes;
     const float* scale = scales + o * blocks;
     float result[kRowsAtOnce];
     for (int64_t k = 0; k < count; ++k)  // the minimum's share: one dot product a row, vectorized
-      result[k] = -dot_floats(mins + o * blocks, r.step_times_sum.data() + (row0 + k) * blocks, blocks);
+      result[k] = kSigned ? 0.f : -dot_floats(mins + o * blocks, r.step_times_sum.data() + (row0 + k) * blocks, blocks);
 #ifdef SPARSEGEN_AVX2
     switch (count) {
-      case 1: products<1>(r, w, scale, row0, blocks, result); break;
-      case 2: products<2>(r, w, scale, row0, blocks, result); break;
-      case 3: products<3>(r, w, scale, row0, blocks, result); break;
-      default: products<4>(r, w, scale, row0, blocks, result); break;
+      case 1: products<1, kSigned>(r, w, scale, row0, blocks, result); break;
+      case 2: products<2, kSigned>(r, w, scale, row0, blocks, result); break;
+      case 3: products<3, kSigned>(r, w, scale, row0, blocks, result); break;
+      default: products<4, kSigned>(r, w, scale, row0, blocks, result); break;
     }
 #else
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* p = w + b * kBlock / 2;
       for (int64_t k = 0; k < count; ++k) {
         const int64_t rb = (row0 + k) * blocks + b;
-        const int8_t* a = r.codes.data() + rb * kBlock;
-        int32_t dot = 0;
-        for (int64_t j = 0; j < kBlock / 2; ++j) dot += (p[j] & 15) * a[j] + (p[j] >> 4) * a[j + kBlock / 2];
+        const int32_t dot = plain_block_dot<kSigned>(w + b * row_bytes / blocks, r.codes.data() + rb * kBlock);
         result[k] += scale[b] * r.step[rb] * dot;
       }
     }
@@ -152,12 +184,26 @@ void output_range(const RoundedRows& r, const uint8_t* nibbles, const float* sca
   }
 }
 
+template <bool kSigned>
+torch::Tensor integer_linear(const torch::Tensor& x, const uint8_t* w, const float* s, const float* m,
+                             int64_t out_features) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  const RoundedRows r = round_rows(x.data_ptr<float>(), rows, in);
+  auto out = torch::empty({rows, out_features}, x.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    for (int64_t row0 = 0; row0 < rows; row0 += kRowsAtOnce)
+      output_range<kSigned>(r, w, s, m, in, out_features, row0, std::min(kRowsAtOnce, rows - row0), first, last, o);
+  });
+  return out;
+}
+
 }  // namespace
 
 // x [rows, in] fp32 -> [rows, out] fp32.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scales, torch::Tensor mins) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(), "int4_linear: fp32 [rows, in]");
-  const int64_t rows = x.size(0), in = x.size(1), out_features = nibbles.size(0);
+  const int64_t in = x.size(1), out_features = nibbles.size(0);
   TORCH_CHECK(in % kBlock == 0 && nibbles.size(1) * 2 == in && nibbles.scalar_type() == torch::kUInt8 &&
                   nibbles.is_contiguous(),
               "int4_linear: nibbles [out, in / 2] uint8 with in a multiple of 32");
@@ -165,17 +211,21 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor nibbles, torch::Tensor 
                   mins.scalar_type() == torch::kFloat && scales.numel() == out_features * in / kBlock &&
                   mins.numel() == scales.numel(),
               "int4_linear: fp32 scales and mins [out, in / 32]");
-  const RoundedRows r = round_rows(x.data_ptr<float>(), rows, in);
-  auto out = torch::empty({rows, out_features}, x.options());
-  const uint8_t* w = nibbles.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* m = mins.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
-    for (int64_t row0 = 0; row0 < rows; row0 += kRowsAtOnce)
-      output_range(r, w, s, m, in, out_features, row0, std::min(kRowsAtOnce, rows - row0), first, last, o);
-  });
-  return out;
+  return integer_linear<false>(x, nibbles.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                               out_features);
+}
+
+// x [rows, in] fp32 times int8 codes [out, in] with fp32 scales [out, in / 32] -> [rows, out] fp32.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(), "int8_linear: fp32 [rows, in]");
+  const int64_t in = x.size(1), out_features = codes.size(0);
+  TORCH_CHECK(in % kBlock == 0 && codes.size(1) == in && codes.scalar_type() == torch::kChar && codes.is_contiguous(),
+              "int8_linear: codes [out, in] int8 with in a multiple of 32");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
+                  scales.numel() == out_features * in / kBlock,
+              "int8_linear: fp32 scales [out, in / 32]");
+  const auto* w = reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>());
+  return integer_linear<true>(x, w, scales.data_ptr<float>(), nullptr, out_features);
 }
 
 // The shape alone, for tracing: a compiled step keeps the op as one opaque call.
@@ -183,9 +233,22 @@ torch::Tensor int4_linear_meta(torch::Tensor x, torch::Tensor nibbles, torch::Te
   return at::empty_symint({x.sym_size(0), nibbles.sym_size(0)}, x.options());  // symbolic rows: one graph for any count
 }
 
+torch::Tensor int8_linear_meta(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+  return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
+}
+
 // Registered with the dispatcher from C++, so a call costs no Python.
-TORCH_LIBRARY_FRAGMENT(sparsegen, m) { m.def("int4_linear(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor"); }
-TORCH_LIBRARY_IMPL(sparsegen, CPU, m) { m.impl("int4_linear", &int4_linear); }
-TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("int4_linear", &int4_linear_meta); }
+TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
+  m.def("int4_linear(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+}
+TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
+  m.impl("int4_linear", &int4_linear_meta);
+  m.impl("int8_linear", &int8_linear_meta);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
