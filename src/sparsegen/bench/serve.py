@@ -181,7 +181,7 @@ def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requ
             finished.wait(0.05)
             try:
                 health = httpx.get(f"{base}/health", timeout=5).json()
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # no answer, or no counts in it (vLLM's is empty)
                 continue
             for key in most:
                 most[key] = max(most[key], health.get(key, 0))
