@@ -44,7 +44,9 @@ def _gemv_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _any_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows == 1:  # decided without a guard: a free row count starts at 2 (one row is its own graph)
+    # `rows == 1` is decided without a guard: a free row count starts at 2 (one row is its own
+    # graph); outside the graph (a prompt read between steps) `linear` picks by the row count
+    if rows == 1 or not torch.compiler.is_compiling():
         return linear(x, self.weight, self.bias)
     return _weight_major(x, self.weight, self.bias, rows)
 

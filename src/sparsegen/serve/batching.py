@@ -130,12 +130,14 @@ class Engine:
         self.lanes: dict[tuple, Lane] = {}
         self.device = next(model.parameters()).device
         self._lock = threading.Lock()
-        if compile:
-            with policy_attention(model):
-                self._warm()
         self._running = True
+        self._warmed: threading.Event = threading.Event()
+        self._warm_failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="sparsegen-engine", daemon=True)
         self._thread.start()
+        self._warmed.wait()
+        if self._warm_failure is not None:
+            raise self._warm_failure
 
     # -- public -------------------------------------------------------------------------------
     def kv_policy(self, name: str | None, budget: dict | None) -> Policy:
@@ -179,6 +181,13 @@ class Engine:
     # -- worker -------------------------------------------------------------------------------
     def _loop(self) -> None:
         with policy_attention(self.model):  # while the engine runs; the model's own attention after close()
+            try:  # here, not in the caller's thread: a second thread's OpenMP team halves the step's speed
+                if self.compile:
+                    self._warm()
+            except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+                self._warm_failure, self._running = exc, False
+            finally:
+                self._warmed.set()
             while self._running:
                 busy = self.prefilling or any(lane.jobs for lane in self.lanes.values()) or self.admission.waiting
                 try:
