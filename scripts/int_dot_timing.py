@@ -1,7 +1,7 @@
 """Integer-dot int4 products against PyTorch's weight-only int4 kernel (docs/benchmarks.md,
-"Integer-dot int4 products"): one layer per SmolLM2 shape at 1 and 2 threads, then batch-1
-decode after 1,024 tokens through the compiled step, fp32 / int4 weight-only / int4 integer-dot,
-each twice, each in a process of its own.
+"Integer-dot int4 products"): one layer per SmolLM2 shape at 1 and 2 threads, the model's tied
+head in fp32 against its int8 integer-dot copy, then batch-1 decode after 1,024 tokens through the
+compiled step, fp32 / int4 weight-only / int4 integer-dot, each twice, each in a process of its own.
 Run it on a quiet machine, with an int4 checkpoint (`sparsegen quantize --bits 4 --out QDIR`).
 
     python scripts/int_dot_timing.py QDIR
@@ -15,7 +15,7 @@ import torch
 from sparsegen.bench.decode import fast_decode_worker
 from sparsegen.bench.measure import in_process
 from sparsegen.quant import QuantScheme, make_quantizer
-from sparsegen.quant.int_dot import int_dot_linear
+from sparsegen.quant.int_dot import Int8DotLinear, int_dot_linear
 from sparsegen.quant.packed import pack_linear
 
 SHAPES = ((1536, 576), (576, 1536), (576, 576), (192, 576))
@@ -50,6 +50,21 @@ def layer_row(out_features: int, in_features: int) -> str:
     return f"{out_features} x {in_features}: integer-dot {ours:.1f} us, weight-only {theirs:.1f} us"
 
 
+def head_row() -> str:
+    """The default model's tied head at one row: fp32 (as `F.linear`, and weight first as the
+    eager few-row product) against its int8 copy on the integer-dot op."""
+    from sparsegen.loading import load
+
+    weight = load("smollm2-135m")[0].get_output_embeddings().weight.detach()
+    head = Int8DotLinear.rounded(weight)
+    x = torch.randn(1, weight.shape[1])
+    linear = per_call_us(lambda: torch.nn.functional.linear(x, weight), 300)
+    weight_first = per_call_us(lambda: weight @ x.T, 300)
+    ours = per_call_us(lambda: torch.ops.sparsegen.int8_linear(x, head.codes, head.scales), 300)
+    fp32 = f"fp32 F.linear {linear:.0f} us, fp32 W @ x.T {weight_first:.0f} us"
+    return f"head {tuple(weight.shape)}: {fp32}, int8 integer-dot {ours:.0f} us"
+
+
 def decode_rows(folder: str) -> None:
     """Each configuration in a process of its own (as `bench decode` runs it: a warm-up run, then
     64 measured tokens), so no compiled graph or model of another stays in memory beside it."""
@@ -70,4 +85,5 @@ if __name__ == "__main__":
         for shape in SHAPES:
             print(f"{threads} thread(s), {layer_row(*shape)}", flush=True)
     torch.set_num_threads(2)
+    print(head_row(), flush=True)
     decode_rows(sys.argv[1])

