@@ -322,3 +322,8 @@ def test_activation_bits_other_than_8_is_a_one_line_error(monkeypatch, capsys, t
     args = ("generate", "hello", "--model", tiny_folder, "--activation-bits", "4", "--max-new-tokens", 2)
     code, _, err = run_cli(monkeypatch, capsys, *args)
     assert code == 2 and "activation_bits must be 8" in err and "Traceback" not in err
+
+
+def test_bench_peers_runs_on_the_cpu_only(monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "peers", "--device", "cuda")
+    assert code == 2 and "use --device cpu" in err and "Traceback" not in err

