@@ -94,6 +94,8 @@ class Int8DotLinear(IntegerDotLinear):
     @classmethod
     def rounded(cls, weight: torch.Tensor) -> Int8DotLinear:
         """`weight` [out, in] rounded to int8, each block of 32 inputs to its own largest magnitude."""
+        if _extension() is None:  # builds and registers the op the layer calls
+            raise SparsegenError("the integer-dot kernels could not be built on this machine (see the message above)")
         blocks = weight.detach().float().view(weight.shape[0], -1, BLOCK)
         scales = blocks.abs().amax(-1) / 127
         codes = (blocks / scales.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round().to(torch.int8)
