@@ -419,25 +419,3 @@ def test_requests_in_different_kv_bits_batch_apart_and_each_equals_its_single_ru
             model, [ids], 12, policy="h2o", compile="never", prefill_chunk=8, kv_bits=bits[index], budget=12
         )
         assert results[index] == tokenizer.decode(alone.tokens[0], skip_special_tokens=True), index
-
-
-def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave():
-    from torch._dynamo.utils import counters
-
-    from sparsegen.decode import generate
-
-    loaded = _loaded()
-    model, tokenizer = loaded
-    prompts = [" ".join(f"w{5 + (i * 13 + j) % 90}" for j in range(n)) for i, n in enumerate((5, 33, 12, 48, 21, 9))]
-    with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, compile=True) as (url, app):
-        warmed = counters["stats"]["unique_graphs"]
-        assert [lane.decoder.mode for lane in app.state.engine.lanes.values()] == ["compiled"]
-        alone = _ask_together(url, prompts[:1], [None], max_tokens=10)  # one row
-        together = _ask_together(url, prompts, [None] * len(prompts), max_tokens=10)  # rows join and leave
-        assert counters["stats"]["unique_graphs"] == warmed
-        assert app.state.engine.stats()["active"] == 0
-    assert alone[0] == together[0]
-    for index, prompt in enumerate(prompts):
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        eager = generate(model, [ids], 10, policy="h2o", compile="never", prefill_chunk=8, budget=12)
-        assert together[index] == tokenizer.decode(eager.tokens[0], skip_special_tokens=True), index
