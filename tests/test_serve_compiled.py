@@ -17,7 +17,10 @@ def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave():
         assert [lane.decoder.mode for lane in app.state.engine.lanes.values()] == ["compiled"]
         alone = _ask_together(url, prompts[:1], [None], max_tokens=10)  # one row
         together = _ask_together(url, prompts, [None] * len(prompts), max_tokens=10)  # rows join and leave
-        assert counters["stats"]["unique_graphs"] == warmed
+        other = _ask_together(url, prompts[:1], [{"kv_policy": "streaming", "kv_budget": 16}], max_tokens=4)
+        assert counters["stats"]["unique_graphs"] == warmed and other[0]  # another lane steps eagerly
+        modes = sorted(lane.decoder.mode for lane in app.state.engine.lanes.values())
+        assert modes == ["compiled", "eager"]
         assert app.state.engine.stats()["active"] == 0
     assert alone[0] == together[0]
     for index, prompt in enumerate(prompts):

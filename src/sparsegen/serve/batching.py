@@ -9,9 +9,10 @@ steps; a long prompt delays other rows' tokens by at most one chunk (a policy th
 prompt once reads a new prompt whole, so its choice sees all of it).
 
 Chat answers leave their cache held between requests (`serve.conversations`), counted against
-the same KV memory. With `compile=True` each lane's step is compiled for one row and for any
-other row count (`Decoder(rows_vary=True)`), the default lane's before the engine starts, so
-rows joining and leaving never compile it again.
+the same KV memory. With `compile=True` the default lane's step (the server's own policy and
+bits) is compiled before the engine starts, once for one row and once for any other row count
+(`Decoder(rows_vary=True)`), so rows joining and leaving never compile it again; lanes that
+requests open with other settings step eagerly.
 """
 
 from __future__ import annotations
@@ -277,16 +278,18 @@ class Engine:
                 return
             key = self._lane_key(job)
             if key not in self.lanes:
-                self.lanes[key] = Lane(self._decoder(job.kv_policy, job.kv_bits))
+                self.lanes[key] = Lane(self._decoder(job.kv_policy, job.kv_bits, compiled=False))
             lane = self.lanes[key]
             lane.decoder.join([job.cache], job.max_tokens)
             lane.jobs.append(job)
             lane.logits = logits[None] if lane.logits is None else torch.cat([lane.logits, logits[None]])
         job.cache = None  # the row lives in the lane now
 
-    def _decoder(self, policy: Policy, kv_bits: int | None) -> Decoder:
-        """A lane's decoder: its step compiled (once for one row, once for any other count) or eager."""
-        mode = "always" if self.compile else "never"
+    def _decoder(self, policy: Policy, kv_bits: int | None, compiled: bool) -> Decoder:
+        """A lane's decoder: its step compiled (once for one row, once for any other count), for
+        the default lane warmed at start, or eager: a lane a request opens with other settings
+        must not stall every client for the minutes a compile takes."""
+        mode = "always" if compiled else "never"
         return Decoder(self.model, policy, compile=mode, kv_bits=kv_bits, rows_vary=True)
 
     @torch.inference_mode()
@@ -294,7 +297,7 @@ class Engine:
         """Compile the default lane's step, for one row and for two (which serves every count
         above one), before the engine takes requests (minutes the first time; cached on disk)."""
         policy = self.kv_policy(None, None)
-        decoder = self._decoder(policy, self.kv_bits)
+        decoder = self._decoder(policy, self.kv_bits, compiled=True)
         prompt = list(range(1, 9))
         for rows in (1, 2):
             caches, logits = decoder.prefill([prompt] * rows)
