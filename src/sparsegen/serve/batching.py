@@ -115,7 +115,8 @@ class Engine:
         compile: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.compile = compile
+        # a CPU's step only: a GPU's compiled step replays CUDA graphs of one shape each (untested here)
+        self.compile = compile and next(model.parameters()).device.type == "cpu"
         self.kv_bits = checked_bits(kv_bits)  # a bad width fails now, not at the first request
         self.policy, self.budget = policy, budget or {}
         self.prefill_chunk = prefill_chunk
