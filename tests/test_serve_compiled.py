@@ -22,6 +22,7 @@ def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave():
         modes = sorted(lane.decoder.mode for lane in app.state.engine.lanes.values())
         assert modes == ["compiled", "eager"]
         assert app.state.engine.stats()["active"] == 0
+    assert not [m for m in model.modules() if "forward" in m.__dict__]  # close() gave the model back
     assert alone[0] == together[0]
     for index, prompt in enumerate(prompts):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]

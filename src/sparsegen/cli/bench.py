@@ -365,7 +365,7 @@ def bench_peers_command(
         context,
         new_tokens,
         clients,
-        tuple(int(part) for part in prompt_tokens.split(",")),
+        tuple(parse_floats(prompt_tokens, int)),
         max_tokens,
         requests,
         install=install,

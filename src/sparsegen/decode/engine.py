@@ -231,7 +231,7 @@ class Decoder:
             self._switch_to_compiled()
         self.state.seen += 1
         self._steps += 1
-        if self.rows_vary:
+        if self.rows_vary and self.mode == "compiled":
             torch._dynamo.maybe_mark_dynamic(tokens, 0)
         if self.mode != "compiled":
             if self.device.type != "cpu":

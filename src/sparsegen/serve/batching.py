@@ -115,8 +115,9 @@ class Engine:
         compile: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
         # a CPU's step only: a GPU's compiled step replays CUDA graphs of one shape each (untested here)
-        self.compile = compile and next(model.parameters()).device.type == "cpu"
+        self.compile = compile and self.device.type == "cpu"
         self.kv_bits = checked_bits(kv_bits)  # a bad width fails now, not at the first request
         self.policy, self.budget = policy, budget or {}
         self.prefill_chunk = prefill_chunk
@@ -130,7 +131,6 @@ class Engine:
         self.incoming: queue.Queue[Job] = queue.Queue()
         self.prefilling: deque[Job] = deque()
         self.lanes: dict[tuple, Lane] = {}
-        self.device = next(model.parameters()).device
         self._lock = threading.Lock()
         self._running = True
         self._warmed: threading.Event = threading.Event()
@@ -161,6 +161,8 @@ class Engine:
     def close(self) -> None:
         self._running = False
         self._thread.join(timeout=10)
+        for lane in self.lanes.values():  # a compiled lane changed the model's Linear layers: undone
+            lane.decoder.release()
 
     def held_kv_bytes(self) -> int:
         """KV bytes counted against the cap: admitted rows (at their full need) and held conversations."""
