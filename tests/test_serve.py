@@ -231,11 +231,11 @@ def test_a_failure_inside_one_request_is_a_500_and_the_next_request_is_served(se
     original = engine._forward
     calls = {"n": 0}
 
-    def flaky(ids, cache, all_logits):
+    def flaky(ids, cache, all_logits, stop):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return original(ids, cache, all_logits)
+        return original(ids, cache, all_logits, stop)
 
     monkeypatch.setattr(engine, "_forward", flaky)
     body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}

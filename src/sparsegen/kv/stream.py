@@ -5,7 +5,8 @@ text in chunks, with the logits of every token: streaming perplexity). Generatin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,32 @@ from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
+from sparsegen.models import decoder_layers
+
+
+class Abandoned(Exception):
+    """A read stopped between two decoder layers because its `stop` said so (the server's
+    cancelled request); the cache it was filling is half-written and must be dropped."""
+
+
+@contextmanager
+def stoppable(model: torch.nn.Module, stop: Callable[[], bool] | None) -> Iterator[None]:
+    """Within the block, every decoder layer first asks `stop()` and raises `Abandoned` when it
+    says so: a prompt read in one forward can still be left after one layer's work."""
+    if stop is None:
+        yield
+        return
+
+    def check(_module, _args) -> None:
+        if stop():
+            raise Abandoned("the read was stopped")
+
+    handles = [layer.register_forward_pre_hook(check) for layer in decoder_layers(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass
@@ -32,6 +59,7 @@ def read(
     cache: PolicyCache,
     chunk: int | None = None,
     all_logits: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> torch.Tensor | None:
     """Read token `ids` (one row's list, or rows [b, n]) into `cache`, `chunk` tokens per forward
     (default: one forward), so the policy evicts between chunks. Returns the logits of every id
@@ -39,7 +67,13 @@ def read(
     None for no ids); only what is returned is computed, so long prompts stay cheap. A policy that
     compresses the prompt once (`prefill_only`) reads a fresh cache's prompt in one forward, so
     that its one choice sees the whole prompt; one that re-reads the prompt to score it
-    (`kv.kvzip`) does so then."""
+    (`kv.kvzip`) does so then. `stop`, asked before every decoder layer, abandons the read
+    (`Abandoned`) when it says so."""
+    with stoppable(model, stop):
+        return _read(model, ids, cache, chunk, all_logits)
+
+
+def _read(model, ids, cache: PolicyCache, chunk: int | None, all_logits: bool) -> torch.Tensor | None:
     device = next(model.parameters()).device
     rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
     step = chunk or max(rows.shape[1], 1)

@@ -6,7 +6,8 @@ cache one chunk per iteration, and then makes it a row of a `Lane`: the rows tha
 policy, decoded together by one `Decoder`, one step for all of them per iteration. Rows join after
 their prefill and leave when done (stop token, stop string, `max_tokens`, a client gone) between
 steps; a long prompt delays other rows' tokens by at most one chunk (a policy that compresses the
-prompt once reads a new prompt whole, so its choice sees all of it).
+prompt once reads a new prompt whole, so its choice sees all of it; a cancel still stops that read
+within one decoder layer).
 
 Chat answers leave their cache held between requests (`serve.conversations`), counted against
 the same KV memory. With `compile=True` the default lane's step (the server's own policy and
@@ -35,7 +36,7 @@ from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.quantized import checked_bits
-from sparsegen.kv.stream import read, reads_whole
+from sparsegen.kv.stream import Abandoned, read, reads_whole
 from sparsegen.models import kv_row_bytes
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
@@ -255,17 +256,19 @@ class Engine:
             raise SparsegenError("the request adds no tokens to its conversation")
 
     # -- prefill, one chunk per iteration -------------------------------------------------------
-    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool) -> torch.Tensor:
-        """Read `ids` into `cache`; the logits of every id, or of the last one."""
-        return read(self.model, ids, cache, all_logits=all_logits)
+    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool, stop) -> torch.Tensor:
+        """Read `ids` into `cache`; the logits of every id, or of the last one. `stop()` is asked
+        before every decoder layer, so a cancelled prompt read whole is left within one layer."""
+        return read(self.model, ids, cache, all_logits=all_logits, stop=stop)
 
     def _read_chunk(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self._drop(job)
-            return
         size = len(job.to_read) if reads_whole(job.cache) else self.prefill_chunk
         chunk, job.to_read = job.to_read[:size], job.to_read[size:]
-        logits = self._forward(chunk, job.cache, all_logits=job.echo)
+        try:
+            logits = self._forward(chunk, job.cache, job.echo, job.cancelled.is_set)
+        except Abandoned:
+            self._drop(job)
+            return
         job.read_logits.append(logits)
         if job.to_read:
             return
