@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import sys
 from pathlib import Path
@@ -31,10 +32,15 @@ def build(source: Path, what: str):
     built_from = source.read_bytes() + " ".join(FLAGS).encode() + _cpu_name().encode() + torch.__version__.encode()
     folder = cache_dir() / "kernels" / hashlib.sha256(built_from).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
+    stable = folder / source.name  # ninja keys its build by the source's path: one path for every checkout
+    if not stable.exists() or stable.read_bytes() != source.read_bytes():
+        written = folder / f"{source.name}.{os.getpid()}"
+        written.write_bytes(source.read_bytes())
+        os.replace(written, stable)  # whole or not at all, whoever else builds it now
     try:
         return cpp_extension.load(
             f"sparsegen_{source.stem}",
-            [str(source)],
+            [str(stable)],
             extra_cflags=list(FLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
