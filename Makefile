@@ -23,8 +23,9 @@ demo-long: install
 test: install
 	$(BIN)/python -m pytest -q
 
-test-fast: install  # while developing: unit tests on tiny models (no real model, no worker processes),
-	# two pytest workers of one thread each: the tiny models' tests and compiles are mostly Python
+# while developing: unit tests on tiny models (no real model, no worker processes), on two pytest
+# workers of one thread each (the tiny models' tests and compiles are mostly Python)
+test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not real and not slow" -n 2
 
 lint: install
