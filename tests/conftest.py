@@ -39,16 +39,16 @@ COMMON = dict(
 )
 
 
-def _llama():
-    return LlamaForCausalLM(LlamaConfig(**COMMON))
+def _llama(layers: int = 3):
+    return LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": layers}))
 
 
-def _qwen2():
-    return Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=False))
+def _qwen2(layers: int = 3):
+    return Qwen2ForCausalLM(Qwen2Config(**{**COMMON, "num_hidden_layers": layers}, use_sliding_window=False))
 
 
-def _mistral():
-    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None))
+def _mistral(layers: int = 3):
+    return MistralForCausalLM(MistralConfig(**{**COMMON, "num_hidden_layers": layers}, sliding_window=None))
 
 
 def _gemma3():
@@ -65,10 +65,11 @@ BUILDERS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gemma3": _ge
 ARCHS = list(BUILDERS)
 
 
-def build_tiny(arch: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
-    """A tiny random-weight causal LM of `arch`, in eval mode, float32."""
+def build_tiny(arch: str, attn: str = "sdpa", seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+    """A tiny random-weight causal LM of `arch`, in eval mode, float32; `layers` decoder layers
+    instead of 3 (not for gemma3, whose 4 layers mix sliding and full attention)."""
     torch.manual_seed(seed)
-    model = BUILDERS[arch]().eval()
+    model = BUILDERS[arch](**({} if layers is None else {"layers": layers})).eval()
     model.set_attn_implementation(attn)
     return model
 
