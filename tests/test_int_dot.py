@@ -106,3 +106,15 @@ def test_a_checkpoint_loaded_with_integer_dot_products_decodes_like_its_weight_o
     eager = sparsegen.generate(integer_dot, prompt, 8, compile="never", eos_token_id=[])
     compiled = sparsegen.generate(integer_dot, prompt, 8, compile="always", eos_token_id=[])
     assert compiled.mode == "compiled" and compiled.tokens == eager.tokens
+
+
+def test_build_all_builds_every_kernel_source_of_the_package(monkeypatch):
+    """What `make install` runs: every C++ source the package loads, each once."""
+    from sparsegen import native
+    from sparsegen.kv.kernels import SOURCE as KV_SOURCE
+    from sparsegen.quant.int_dot import SOURCE as INT_DOT_SOURCE
+
+    built = []
+    monkeypatch.setattr(native, "build", lambda source, what: built.append(source.resolve()))
+    native.build_all()
+    assert sorted(built) == sorted({KV_SOURCE.resolve(), INT_DOT_SOURCE.resolve()})

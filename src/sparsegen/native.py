@@ -58,3 +58,15 @@ def _cpu_name() -> str:
     except (OSError, StopIteration):
         flags = ""
     return platform.machine() + platform.processor() + flags
+
+
+def build_all() -> None:
+    """Build every kernel source of the package now (`make install` does, so that no first use
+    waits for the compiler); one already built is only loaded."""
+    for source in sorted(Path(__file__).parent.glob("*/kernels/*.cpp")):
+        print(f"sparsegen: building {source.relative_to(Path(__file__).parent)}", file=sys.stderr)
+        build(source, f"the kernels of {source.name}")
+
+
+if __name__ == "__main__":
+    build_all()
