@@ -29,13 +29,16 @@ def build(source: Path, what: str):
 
     from sparsegen.assets import cache_dir
 
-    built_from = source.read_bytes() + " ".join(FLAGS).encode() + _cpu_name().encode() + torch.__version__.encode()
+    code = source.read_bytes()
+    built_from = code + " ".join(FLAGS).encode() + _cpu_name().encode() + torch.__version__.encode()
     folder = cache_dir() / "kernels" / hashlib.sha256(built_from).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    stable = folder / source.name  # ninja keys its build by the source's path: one path for every checkout
-    if not stable.exists() or stable.read_bytes() != source.read_bytes():
+    # ninja keys a build by its source's path: build a copy kept in the folder (named by the code's
+    # hash, so a copy there is this code), one path for every checkout
+    stable = folder / source.name
+    if not stable.exists():
         written = folder / f"{source.name}.{os.getpid()}"
-        written.write_bytes(source.read_bytes())
+        written.write_bytes(code)
         os.replace(written, stable)  # whole or not at all, whoever else builds it now
     try:
         return cpp_extension.load(

@@ -256,7 +256,7 @@ class Engine:
             raise SparsegenError("the request adds no tokens to its conversation")
 
     # -- prefill, one chunk per iteration -------------------------------------------------------
-    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool, stop) -> torch.Tensor:
+    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool, stop: Callable[[], bool]) -> torch.Tensor:
         """Read `ids` into `cache`; the logits of every id, or of the last one. `stop()` is asked
         before every decoder layer, so a cancelled prompt read whole is left within one layer."""
         return read(self.model, ids, cache, all_logits=all_logits, stop=stop)
