@@ -192,12 +192,12 @@ def test_byte_products_equal_attention_over_the_rows_as_read(bits, dim):
 
 
 def test_without_the_kernels_the_fast_path_decodes_in_torch_to_the_same_tokens(monkeypatch):
-    import sparsegen.decode.state as state
+    import sparsegen.decode.handover as handover
 
     model = build_tiny("llama")
     ids = _prompt(40)
     with_kernels = generate(model, ids, 12, policy="h2o", compile="never", kv_bits=4, budget=16)
-    monkeypatch.setattr(state, "kernels_available", lambda: False)
+    monkeypatch.setattr(handover, "kernels_available", lambda: False)
     decoder = Decoder(model, "h2o", compile="never", kv_bits=4, budget=16)
     without = generate(model, ids, 12, decoder=decoder)
     assert not decoder.state.layers[0].byte_products and without.tokens == with_kernels.tokens

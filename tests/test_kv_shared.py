@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparsegen.decode import generate
+from sparsegen.decode import Decoder, generate
 from sparsegen.kv import PolicyLayer, make_cache, make_policy
 from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.stream import read
@@ -72,3 +72,36 @@ def test_a_prompt_compressed_once_is_read_whole_whatever_the_chunk():
         assert torch.equal(read(model, ids, whole), read(model, ids, chunked, chunk=8))
         _same_layers(chunked, whole)
         assert all(layer.tokens_per_head == 12 for layer in chunked.policy_layers()), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_reading_one_shared_context_decode_as_their_own_copies(arch):
+    """Rows that keep every new token read the shared context's KV once per step, masked to what
+    each kept (`decode.context`): the same tokens as each row decoding its own copy, every row
+    alone too, and the context held once, not per row. Evicting rows keep their copies."""
+    model = build_tiny(arch)
+    ids = torch.randint(3, 96, (96,), generator=torch.Generator().manual_seed(6)).tolist()
+    shared = SharedPrefill(model, ids)
+    policies = [make_policy("full")] + [
+        make_policy(name, budget=budget) for name in TABLE if name != "full" for budget in (10, 24)
+    ]
+    keeping = [p for p in policies if p.name == "full" or type(p).prefill_only]
+    questions = [[9, 10, 11 + row % 3] for row in range(len(keeping))]
+    decoder = Decoder(model, keeping[0], compile="never")
+    caches = [shared.cache_for(p) for p in keeping]
+    batch = generate(model, questions, 7, held=caches, shared_context=shared, decoder=decoder)
+    own = Decoder(model, keeping[0], compile="never")
+    copies = generate(model, questions, 7, held=[shared.cache_for(p) for p in keeping], decoder=own)
+    assert batch.tokens == copies.tokens
+    assert decoder.state.live_tokens().tolist() == own.state.live_tokens().tolist()
+    for policy, question, tokens in list(zip(keeping, questions, batch.tokens, strict=True))[::5]:
+        alone = generate(model, [question], 7, policy, compile="never", held=[shared.cache_for(policy)])
+        assert alone.tokens[0] == tokens, policy.name
+    attention = [layer for layer in decoder.state.layers if layer.context is not None]
+    assert attention and all(layer.context.keys.shape[1] == len(ids) for layer in attention)
+    assert all(layer.keys.shape[2] < len(ids) for layer in attention)  # own tokens only in the slots
+    evicting = [p for p in policies if p not in keeping][:2]
+    mixed = Decoder(model, evicting[0], compile="never")
+    held = [shared.cache_for(p) for p in evicting]
+    generate(model, [[9, 10]] * 2, 3, held=held, shared_context=shared, decoder=mixed)
+    assert all(layer.context is None for layer in mixed.state.layers)

@@ -18,13 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from sparsegen.decode.state import StaticKV, capacity_for, slots_of, stack
+from sparsegen.decode.handover import slots_of, stack_layer
+from sparsegen.decode.state import StaticKV
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import few_row_linears, restore_linears, use_gemv
 from sparsegen.kv.attention import require_policy_attention
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.policy_cache import PolicyCache
+from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.stream import read
 from sparsegen.models import model_device
 
@@ -130,12 +132,15 @@ class Decoder:
                 logits[row] = row_logits
         return caches, torch.stack(logits)
 
-    def join(self, caches: list[PolicyCache], max_new_tokens: int) -> None:
-        """Add the rows of prefilled `caches` to the batch (after the rows already in it)."""
+    def join(self, caches: list[PolicyCache], max_new_tokens: int, context: SharedPrefill | None = None) -> None:
+        """Add the rows of prefilled `caches` to the batch (after the rows already in it). Given the
+        `context` they were all made from (`SharedPrefill.cache_for`), rows that keep every new
+        token read its keys and values once per step instead of each a copy (`decode.handover`)."""
         layers = []
         for index in range(len(caches[0].layers)):
             parts = [slots_of(cache.layers[index]) for cache in caches]
-            layers.append(stack(parts, capacity_for(parts, max_new_tokens), self.kv_dtype))
+            shared = None if context is None else context.layer_kv(index)
+            layers.append(stack_layer(parts, max_new_tokens, self.kv_dtype, shared))
         counts = [cache.get_seq_length() for cache in caches for _ in range(_rows(cache))]
         seen = torch.tensor(counts, device=layers[0].keys.device)
         joining = StaticKV(layers, seen, varying=self.rows_vary)
@@ -170,10 +175,10 @@ class Decoder:
         self.start_from(caches, max_new_tokens)
         return logits
 
-    def start_from(self, caches: list, max_new_tokens: int) -> None:
-        """A fresh batch of `prefill`'s caches, rows in prompt order."""
+    def start_from(self, caches: list, max_new_tokens: int, context: SharedPrefill | None = None) -> None:
+        """A fresh batch of `prefill`'s caches, rows in prompt order (`join` for `context`)."""
         self.state, self._steps, self._remaining = None, 0, 0
-        self.join([cache for _, cache in caches], max_new_tokens)
+        self.join([cache for _, cache in caches], max_new_tokens, context)
         order = [row for rows, _ in caches for row in rows]
         self.state.select(torch.tensor(order).argsort())  # stacked rows are grouped by length: undo that
         if self.compile == "auto" and self.mode != "compiled":

@@ -13,6 +13,7 @@ from sparsegen.decode.engine import Decoder
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy
+from sparsegen.kv.shared import SharedPrefill
 from sparsegen.sampling import StopRule, Verdict, as_token_set, choose, stop_tokens
 
 
@@ -70,20 +71,22 @@ def generate(
     decoder: Decoder | None = None,
     prefill_chunk: int | None = None,
     held: list | None = None,
+    shared_context: SharedPrefill | None = None,
     **budget: int | float,
 ) -> Generation:
     """Generate up to `max_new_tokens` per row on the fast path under a KV policy.
 
     `input_ids` is a [b, n] tensor (left- or right-padded, with its `attention_mask`) or a list
     of token lists of any lengths; `held` may give a row a policy cache to continue (a soft
-    prompt's, a conversation's). Rows stop at `eos_token_id`, by default the model's EOS and,
-    given the `tokenizer`, its EOS and the chat template's turn tokens (`stop_tokens`), as the
-    CLI and the server stop; the batch stops when every row has. Prompts are read
-    `prefill_chunk` tokens per forward (None: one). Sampling (temperature > 0, top-p) draws each
-    row from its own generator seeded `seed`. `kv_bits` (8 or 4) holds keys and values in that
-    many bits (`kv.quantized`; None: `kv_dtype`). `streamer` (a transformers streamer, batch 1)
-    receives tokens as they come; `notify` gets the one-line notes on compiling (default:
-    stderr). A `decoder` may be passed to reuse its compiled step.
+    prompt's, a conversation's), and `shared_context` the `SharedPrefill` all of them were made from
+    (its context's KV then read once per step for the rows that keep every new token). Rows stop
+    at `eos_token_id`, by default the model's EOS and, given the `tokenizer`, its EOS and the chat
+    template's turn tokens (`stop_tokens`), as the CLI and the server stop; the batch
+    stops when every row has. Prompts are read `prefill_chunk` tokens per forward (None: one).
+    Sampling (temperature > 0, top-p) draws each row from its own generator seeded `seed`.
+    `kv_bits` (8 or 4) holds keys and values in that many bits (`kv.quantized`; None: `kv_dtype`).
+    `streamer` (a transformers streamer, batch 1) receives tokens as they come; `notify` gets the
+    one-line notes on compiling (default: stderr). A `decoder` may be passed to reuse its compiled step.
     """
     if max_new_tokens < 1:
         raise SparsegenError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -114,7 +117,8 @@ def generate(
 
     with policy_attention(model):  # the model's own attention again when generation ends
         try:
-            tokens, prefill_s, decode_s, steps = _timed(token_loop(decoder, prompts, held, rule, sample), streamer)
+            loop = token_loop(decoder, prompts, held, rule, sample, shared_context)
+            tokens, prefill_s, decode_s, steps = _timed(loop, streamer)
             decode_s -= decoder.compile_s
             steps -= decoder.mode == "compiled"  # the step that compiled is not counted
             mode = decoder.mode  # before release(), which steps eagerly from then on
@@ -133,13 +137,15 @@ class Progress(NamedTuple):
     verdicts: list[Verdict]
 
 
-def token_loop(decoder: Decoder, prompts, held, rule: StopRule, sample: Callable) -> Iterator[Progress]:
+def token_loop(
+    decoder: Decoder, prompts, held, rule: StopRule, sample: Callable, shared_context: SharedPrefill | None = None
+) -> Iterator[Progress]:
     """The token loop: prefill, then one step per token until `rule` ends every row. `sample`
     takes the logits [b, vocab] and the prompt index of each of their rows. Rows that ended take
     no more tokens; while the step is eager they leave the batch once they are a quarter of it
     (their KV is no longer read), a compiled step keeps its shape and they ride along."""
     caches, logits = decoder.prefill(prompts, held)
-    decoder.start_from(caches, rule.max_tokens)
+    decoder.start_from(caches, rule.max_tokens, shared_context)
     rows: list[list[int]] = [[] for _ in prompts]
     verdicts = [Verdict(None, "")] * len(prompts)
     batch = list(range(len(prompts)))  # the prompt each row of the batch decodes

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from sparsegen.decode.context import ContextRows
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
+from sparsegen.kv.kernels import held_mix, held_scores
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
-from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer, take_slots
-from sparsegen.kv.window import WindowPolicy
+from sparsegen.kv.slots import EMPTY, HeldSlots, take_slots
 
 DEAD = -2
 RING = ("recent_keys", "recent_values")
@@ -55,6 +55,8 @@ class LayerState:
     With a `codec`, keys and values are its byte rows, decoded for each step's attention, and
     `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of each row's newest tokens at full
     precision (`kv.quantized`); `byte_products` multiplies the byte rows directly (`kv.kernels`).
+    With a `context`, the slots hold each row's own tokens and the rows also attend over the part
+    of one shared context each kept (`decode.context`).
     """
 
     policy: Policy
@@ -72,6 +74,7 @@ class LayerState:
     recent_keys: torch.Tensor | None = None
     recent_values: torch.Tensor | None = None
     byte_products: bool = False
+    context: ContextRows | None = None
 
     @property
     def per_row(self) -> tuple[str, ...]:
@@ -84,6 +87,8 @@ class LayerState:
         for name in self.per_row:
             setattr(self, name, getattr(self, name)[rows].contiguous())
         self.sizes = Sizes(*(getattr(self.sizes, part)[rows] for part in PARTS))
+        if self.context is not None:
+            self.context.select(rows)
 
     def grow(self, capacity: int) -> None:
         """Add slots up to `capacity`: free (EMPTY) where rows keep every token, else DEAD (beyond
@@ -108,10 +113,16 @@ class LayerState:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.sizes = Sizes(*(torch.cat([getattr(self.sizes, p), getattr(other.sizes, p)]) for p in PARTS))
         self.sinks = max(self.sinks, other.sinks)
+        if (self.context is None) != (other.context is None):
+            raise SparsegenError("rows reading a shared context cannot share a batch with rows that do not")
+        if self.context is not None:
+            self.context.extend(other.context)
 
     def hand_back(self, row: int, seen: int, layer: CacheLayerMixin, dtype: torch.dtype) -> None:
         """Write `row`'s held tokens into a fresh cache `layer` of the same policy (a conversation
         kept between requests, continued through the policy cache)."""
+        if self.context is not None:
+            raise SparsegenError("a row reading a shared context holds no cache of its own to hand back")
         index = slice(row, row + 1)
         if isinstance(layer, PolicyLayer):
             sizes = Sizes(*(int(getattr(self.sizes, part)[row]) for part in PARTS))
@@ -196,13 +207,19 @@ class LayerState:
             keys, values = self.read(seen)
             logits, keys = self.logits(grouped, keys, seen, scaling)
         live = self.positions >= 0
-        probs = logits.masked_fill(~live.unsqueeze(2), float("-inf")).softmax(-1)
-        if self.byte_products:
-            out = held_mix(probs, self.values, self.codec, self.positions, seen, self.recent_values)
+        logits = logits.masked_fill(~live.unsqueeze(2), float("-inf"))
+        if self.context is not None:  # the shared context's logits first, then the row's own tokens'
+            probs = torch.cat([self.context.logits(grouped, scaling), logits], -1).softmax(-1)
+            shared, probs = probs.split([self.context.length, logits.shape[-1]], -1)
+            out = self.context.mix(shared) + weighted_values(probs, values)
         else:
-            out = weighted_values(probs, values)
+            probs = logits.softmax(-1)
+            if self.byte_products:
+                out = held_mix(probs, self.values, self.codec, self.positions, seen, self.recent_values)
+            else:
+                out = weighted_values(probs, values)
         self.choose_next_slot(query, keys, values, probs, scaling, seen)
-        return out.to(query.dtype).view(b, hq, 1, d).transpose(1, 2)
+        return out.to(query.dtype).reshape(b, hq, 1, d).transpose(1, 2)
 
     def _byte_logits(self, query: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """`logits` over the byte rows (unscaled): the kernels' products, the rolled sinks of a
@@ -297,88 +314,11 @@ class StaticKV:
     def kv_bytes(self) -> int:
         """Bytes of the preallocated key and value buffers (all rows, all slots)."""
         held = [(layer.keys, layer.values, layer.recent_keys, layer.recent_values) for layer in self.layers]
+        held += [(layer.context.keys, layer.context.values) for layer in self.layers if layer.context is not None]
         return sum(t.numel() * t.element_size() for tensors in held for t in tensors if t is not None)
 
     def live_tokens(self) -> torch.Tensor:
         """Tokens held per row after the last step's eviction, in the first layer."""
-        return (self.layers[0].positions[:, 0] >= 0).sum(-1)
-
-
-# -- the hand-over between a policy cache (prefill, held conversations) and slots (decoding) --------
-
-
-def slots_of(layer: CacheLayerMixin) -> HeldSlots:
-    """One prefilled cache layer as slots: a policy layer's own, or a sliding-window layer's."""
-    if isinstance(layer, PolicyLayer):
-        return slots_of_layer(layer)
-    # transformers' sliding-window layer (Gemma 3): the newest `sliding_window - 1` tokens
-    held = layer.keys.shape[2]
-    window = layer.sliding_window - 1
-    positions = torch.arange(layer.cumulative_length - held, layer.cumulative_length, device=layer.keys.device)
-    return HeldSlots(
-        keys=layer.keys,
-        values=layer.values,
-        positions=positions.expand(*layer.keys.shape[:2], held).clone(),
-        scores=layer.keys.new_zeros(layer.keys.shape[:3], dtype=torch.float32),
-        policy=WindowPolicy(recent=window),
-        sizes=Sizes(recent=window),
-        evicting=True,
-    )
-
-
-def capacity_for(parts: list[HeldSlots], max_new_tokens: int) -> int:
-    """Slots a layer needs: the largest budget plus the token in flight, or (keeping every token)
-    the longest held row plus its new tokens, rounded up to 64 (fewer shapes to compile)."""
-    if parts[0].evicting:
-        return max(part.sizes.budget for part in parts) + 1
-    held = max(part.positions.shape[2] for part in parts)
-    return -(-(held + max_new_tokens) // 64) * 64
-
-
-def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> LayerState:
-    """One layer's slots for all rows, from each row group's prefilled layer: in their codec's
-    bytes where they are held in one, else in `kv_dtype`."""
-    codec = parts[0].codec
-    if any(part.codec != codec for part in parts):
-        raise SparsegenError("rows of one batch must hold their KV in the same number of bits (kv_bits)")
-    rows = sum(part.keys.shape[0] for part in parts)
-    h, device = parts[0].keys.shape[1], parts[0].keys.device
-    dtype = kv_dtype if codec is None else torch.uint8
-    keys, values = (
-        torch.zeros(rows, h, capacity, t.shape[3], dtype=dtype, device=device) for t in (parts[0].keys, parts[0].values)
-    )
-    positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long, device=device)
-    scores = torch.zeros(rows, h, capacity, device=device)
-    budgets = []
-    row = 0
-    for part in parts:
-        n, held = part.keys.shape[0], part.keys.shape[2]
-        keys[row : row + n, :, :held] = part.keys
-        values[row : row + n, :, :held] = part.values
-        positions[row : row + n, :, :held] = part.positions
-        scores[row : row + n, :, :held] = part.scores
-        if part.evicting:
-            positions[row : row + n, :, part.sizes.budget + 1 :] = DEAD
-        budgets += [part.sizes] * n
-        row += n
-    sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
-    policy, evicting = parts[0].policy, parts[0].evicting
-    slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
-    rolled_per_slot = parts[0].rotation is not None and not policy.contiguous
-    byte_products = codec is not None and device.type == "cpu" and not rolled_per_slot and kernels_available()
-    return LayerState(
-        policy=policy,
-        sizes=sizes,
-        evicting=evicting,
-        keys=keys,
-        values=values,
-        positions=positions,
-        scores=scores,
-        slot=slot,
-        rotation=parts[0].rotation,
-        contiguous=policy.contiguous,
-        sinks=max(s.sinks for s in budgets),
-        codec=codec,
-        byte_products=byte_products,
-        **({} if codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}),
-    )
+        first = self.layers[0]
+        own = (first.positions[:, 0] >= 0).sum(-1)
+        return own if first.context is None else own + first.context.live[:, 0].sum(-1)

@@ -136,6 +136,7 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
             compile="never",
             tokenizer=tokenizer,
             held=caches,
+            shared_context=shared,
             kv_bits=settings.kv_bits,
         )
         seconds = time.perf_counter() - began

@@ -105,7 +105,9 @@ def attention_received(
     those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
     long prefill never materialises the whole q x s matrix, each chunk against only the keys its
     queries see (half the work of a prefill); keys are never copied. Chunks of about a million
-    scores stay in the CPU's cache through softmax and sum (2.2x faster than 16 M at 2k x 6k).
+    scores stay in the CPU's cache through softmax and sum (2.2x faster than 16 M at 2k x 6k); the
+    scaling goes on the queries and the causal mask only on the chunk's own keys (0.32 -> 0.20 s
+    for 1.8k queries over 5.6k keys, the same numbers where the scaling is a power of two).
     """
     b, hq, q, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
@@ -114,18 +116,18 @@ def attention_received(
     keys_t = key.transpose(-1, -2)
     total = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
     step = max(1, max_elements // max(1, b * hq * s))
-    key_index = torch.arange(s, device=query.device)
+    held = s - q
     for start in range(0, q, step):
         stop = min(q, start + step)
-        seen = s - q + stop  # keys visible to this chunk's last query
+        seen = held + stop  # keys visible to this chunk's last query
         rows = grouped[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
-        logits = (rows @ keys_t[..., :seen]).float() * scaling  # [b, hkv, group * n, seen], rows group-major
-        if stop - start > 1:
-            last_visible = (s - q + torch.arange(start, stop, device=query.device)).repeat(group)
-            logits.masked_fill_(key_index[:seen] > last_visible[:, None], float("-inf"))
+        logits = ((rows * scaling) @ keys_t[..., :seen]).float()  # [b, hkv, group * n, seen], rows group-major
+        if stop - start > 1:  # causal among the chunk's own keys only: every query sees the keys before them
+            new = torch.arange(start, stop, device=query.device)
+            logits[..., held + start :].masked_fill_(new > new.repeat(group)[:, None], float("-inf"))
         probabilities = logits.softmax(-1)
         if peak:
-            total[..., :seen] = torch.maximum(total[..., :seen], probabilities.amax(dim=2))
+            torch.maximum(total[..., :seen], probabilities.amax(dim=2), out=total[..., :seen])
         else:
             total[..., :seen] += probabilities.sum(dim=2)
     return total

@@ -83,6 +83,14 @@ class SharedPrefill:
             else:  # a sliding-window layer (Gemma 3) keeps its own window (replaced, never written in place)
                 _load_layer_state(layer, _layer_state(source))
 
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `index`'s context keys and values [h, S, d] as every policy's cache holds them
+        (None for a layer without a policy, or several rows read at once)."""
+        call = getattr(self.record.layers[index], "recorded", None)
+        if call is None or self.rows.shape[0] != 1:
+            return None
+        return call.keys[0], call.values[0]
+
     def _reconstruction(self, policy: Policy) -> list[torch.Tensor | None]:
         probes = tuple(policy.probes(self.length))
         if probes not in self._reconstructions:

@@ -1,0 +1,120 @@
+"""The hand-over from prefilled policy caches (prompts, held conversations) to the decode slots.
+
+Each layer's rows are stacked into one `LayerState`. Rows that read one shared context
+(`kv.shared.SharedPrefill`, a RULER sample's policies) and keep every new token hold only their
+own tokens in slots; the context's keys and values are read once per step for all of them, each
+row masked to the context tokens it kept (`decode.context`), instead of each row a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from sparsegen.decode.context import ContextRows, split_context
+from sparsegen.decode.state import DEAD, RING, LayerState
+from sparsegen.errors import SparsegenError
+from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.kernels import kernels_available
+from sparsegen.kv.policy import PARTS, Sizes
+from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer
+from sparsegen.kv.window import WindowPolicy
+
+
+def stack_layer(
+    parts: list[HeldSlots],
+    max_new_tokens: int,
+    kv_dtype: torch.dtype,
+    context: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> LayerState:
+    """One layer's slots for the rows of `parts`, room for `max_new_tokens` each. `context`, the
+    keys and values [h, S, d] of a context every part read first (at positions 0..S-1), is read
+    once per step instead of held per row, where every part keeps each new token in full precision."""
+    shares = context is not None and all(
+        not part.evicting and part.codec is None and part.rotation is None for part in parts
+    )
+    if not shares:
+        return stack(parts, capacity_for(parts, max_new_tokens), kv_dtype)
+    keys, values = context
+    split = [split_context(part, keys.shape[1]) for part in parts]
+    own = [part for _, part in split]
+    state = stack(own, capacity_for(own, max_new_tokens), kv_dtype)
+    state.context = ContextRows(keys.to(kv_dtype), values.to(kv_dtype), torch.cat([live for live, _ in split]))
+    return state
+
+
+def slots_of(layer: CacheLayerMixin) -> HeldSlots:
+    """One prefilled cache layer as slots: a policy layer's own, or a sliding-window layer's."""
+    if isinstance(layer, PolicyLayer):
+        return slots_of_layer(layer)
+    # transformers' sliding-window layer (Gemma 3): the newest `sliding_window - 1` tokens
+    held = layer.keys.shape[2]
+    window = layer.sliding_window - 1
+    positions = torch.arange(layer.cumulative_length - held, layer.cumulative_length, device=layer.keys.device)
+    return HeldSlots(
+        keys=layer.keys,
+        values=layer.values,
+        positions=positions.expand(*layer.keys.shape[:2], held).clone(),
+        scores=layer.keys.new_zeros(layer.keys.shape[:3], dtype=torch.float32),
+        policy=WindowPolicy(recent=window),
+        sizes=Sizes(recent=window),
+        evicting=True,
+    )
+
+
+def capacity_for(parts: list[HeldSlots], max_new_tokens: int) -> int:
+    """Slots a layer needs: the largest budget plus the token in flight, or (keeping every token)
+    the longest held row plus its new tokens, rounded up to 64 (fewer shapes to compile)."""
+    if parts[0].evicting:
+        return max(part.sizes.budget for part in parts) + 1
+    held = max(part.positions.shape[2] for part in parts)
+    return -(-(held + max_new_tokens) // 64) * 64
+
+
+def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> LayerState:
+    """One layer's slots for all rows, from each row group's prefilled layer: in their codec's
+    bytes where they are held in one, else in `kv_dtype`."""
+    codec = parts[0].codec
+    if any(part.codec != codec for part in parts):
+        raise SparsegenError("rows of one batch must hold their KV in the same number of bits (kv_bits)")
+    rows = sum(part.keys.shape[0] for part in parts)
+    h, device = parts[0].keys.shape[1], parts[0].keys.device
+    dtype = kv_dtype if codec is None else torch.uint8
+    keys, values = (
+        torch.zeros(rows, h, capacity, t.shape[3], dtype=dtype, device=device) for t in (parts[0].keys, parts[0].values)
+    )
+    positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long, device=device)
+    scores = torch.zeros(rows, h, capacity, device=device)
+    budgets = []
+    row = 0
+    for part in parts:
+        n, held = part.keys.shape[0], part.keys.shape[2]
+        keys[row : row + n, :, :held] = part.keys
+        values[row : row + n, :, :held] = part.values
+        positions[row : row + n, :, :held] = part.positions
+        scores[row : row + n, :, :held] = part.scores
+        if part.evicting:
+            positions[row : row + n, :, part.sizes.budget + 1 :] = DEAD
+        budgets += [part.sizes] * n
+        row += n
+    sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
+    policy, evicting = parts[0].policy, parts[0].evicting
+    slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
+    rolled_per_slot = parts[0].rotation is not None and not policy.contiguous
+    byte_products = codec is not None and device.type == "cpu" and not rolled_per_slot and kernels_available()
+    return LayerState(
+        policy=policy,
+        sizes=sizes,
+        evicting=evicting,
+        keys=keys,
+        values=values,
+        positions=positions,
+        scores=scores,
+        slot=slot,
+        rotation=parts[0].rotation,
+        contiguous=policy.contiguous,
+        sinks=max(s.sinks for s in budgets),
+        codec=codec,
+        byte_products=byte_products,
+        **({} if codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}),
+    )
