@@ -101,7 +101,9 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> Layer
     policy, evicting = parts[0].policy, parts[0].evicting
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
     rolled_per_slot = parts[0].rotation is not None and not policy.contiguous
-    byte_products = codec is not None and device.type == "cpu" and not rolled_per_slot and kernels_available()
+    on_cpu = device.type == "cpu" and kernels_available()
+    byte_products = codec is not None and on_cpu and not rolled_per_slot
+    rolled_products = codec is None and on_cpu and rolled_per_slot and keys.dtype == torch.float32
     return LayerState(
         policy=policy,
         sizes=sizes,
@@ -116,5 +118,6 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> Layer
         sinks=max(s.sinks for s in budgets),
         codec=codec,
         byte_products=byte_products,
+        rolled_products=rolled_products,
         **({} if codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}),
     )

@@ -18,7 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.decode.context import ContextRows
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.kernels import held_mix, held_scores
+from sparsegen.kv.kernels import held_mix, held_scores, rolled_scores
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
@@ -54,7 +54,8 @@ class LayerState:
     `sinks` > 0 with `contiguous` rotates only slots [0, sinks), which hold the first tokens.
     With a `codec`, keys and values are its byte rows, decoded for each step's attention, and
     `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of each row's newest tokens at full
-    precision (`kv.quantized`); `byte_products` multiplies the byte rows directly (`kv.kernels`).
+    precision (`kv.quantized`); `byte_products` multiplies the byte rows directly, `rolled_products`
+    rotates full-precision keys to rolling positions inside the product (`kv.kernels`; eager steps).
     With a `context`, the slots hold each row's own tokens and the rows also attend over the part
     of one shared context each kept (`decode.context`).
     """
@@ -74,6 +75,7 @@ class LayerState:
     recent_keys: torch.Tensor | None = None
     recent_values: torch.Tensor | None = None
     byte_products: bool = False
+    rolled_products: bool = False
     context: ContextRows | None = None
 
     @property
@@ -188,9 +190,9 @@ class LayerState:
             sinks = self.rotation.rotate(keys[:, :, : self.sinks], shift.expand(-1, -1, self.sinks))
             parts = (scores_of(query, sinks), scores_of(query, keys[:, :, self.sinks :]))
             return torch.cat(parts, -1) * scaling, keys
-        order = torch.where(live, self.positions, torch.iinfo(torch.long).max).argsort(-1)
-        rank = order.argsort(-1)
-        delta = torch.where(live, shift + rank - self.positions, 0)
+        delta = torch.where(live, shift + _ranks(live, self.positions, seen) - self.positions, 0)
+        if self.rolled_products and not torch.compiler.is_compiling():  # no rotated copy (`kv.kernels`)
+            return rolled_scores(query, keys, delta, self.rotation) * scaling, None
         keys = self.rotation.rotate(keys, delta)
         return scores_of(query, keys) * scaling, keys
 
@@ -260,6 +262,17 @@ class LayerState:
         priority = priority.masked_fill(self.positions == EMPTY, float("-inf"))
         self.slot.copy_(priority.argmin(-1, keepdim=True))
         self.positions.scatter_(2, self.slot, EMPTY)
+
+
+def _ranks(live: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Each live slot's rank among its row's live slots by position [b, h, C]: by counting the
+    live positions below it (eagerly, far cheaper than sorting each step), or by sorting (traced)."""
+    if torch.compiler.is_compiling():
+        return torch.where(live, positions, torch.iinfo(torch.long).max).argsort(-1).argsort(-1)
+    top = int(seen.max())  # above every held position
+    index = torch.where(live, positions, top)
+    marks = positions.new_zeros(*positions.shape[:2], top + 1).scatter_(2, index, live.long())
+    return (marks.cumsum(-1) - marks).gather(2, index)
 
 
 @dataclass

@@ -36,12 +36,18 @@ class KeyRotation:
         the table's size check would stall a GPU)."""
         if torch.compiler.is_compiling() or not delta.is_cpu:
             return self._angles(delta)
+        table, reach = self.table(delta)
+        rows = table.index_select(0, (delta + reach).flatten()).view(*delta.shape, -1)
+        return rows[..., : self.rotary_dim], rows[..., self.rotary_dim :]
+
+    def table(self, delta: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The cos then sin [2 * reach + 1, 2 * rotary_dim] of every delta -reach..reach, grown to
+        cover `delta` (a CPU tensor), and its reach."""
         reach = int(delta.abs().max()) if delta.numel() else 0
         if self._table is None or reach > self._reach:
             self._reach = max(2 * reach, 1024)
             self._table = torch.cat(self._angles(torch.arange(-self._reach, self._reach + 1)), -1)
-        rows = self._table.index_select(0, (delta + self._reach).flatten()).view(*delta.shape, -1)
-        return rows[..., : self.rotary_dim], rows[..., self.rotary_dim :]
+        return self._table, self._reach
 
     def _angles(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angle = delta.unsqueeze(-1).float() * self.inv_freq.to(delta.device)

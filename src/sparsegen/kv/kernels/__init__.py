@@ -1,12 +1,14 @@
-"""Attention products over rounded KV (`kv.quantized`) without a float copy of the cache.
+"""Attention products over the held KV without a float copy of the cache.
 
 `held_scores` is each query's dot product with each held key, `held_mix` the attention
 probabilities times the held values, both over byte rows with the ring of newest tokens
-(`kv.quantized`): ops registered with torch's dispatcher from C++ (`kv_int.cpp`; one opaque call in
-a compiled step, with a meta implementation for tracing; callable once `kernels_available()`)
-that decode one row at a time into a buffer that stays in L1. The C++ is built on first use with
-the machine's compiler; where it cannot be built (`kernels_available()` is False, said once;
-`sparsegen.native`) the fast path decodes the whole cache and multiplies in torch instead.
+(`kv.quantized`); `rolled_scores` the products with full-precision keys rotated to rolling
+positions on the fly (`kv.rope`). Ops registered with torch's dispatcher from C++ (`kv_int.cpp`;
+one opaque call in a compiled step, with a meta implementation for tracing; callable once
+`kernels_available()`) that decode or rotate one row at a time into a buffer that stays in L1.
+The C++ is built on first use with the machine's compiler; where it cannot be built
+(`kernels_available()` is False, said once; `sparsegen.native`) the fast path decodes or rotates
+the whole cache and multiplies in torch instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from sparsegen.kv.quantized import KVCodec
+from sparsegen.kv.rope import KeyRotation
 from sparsegen.native import build
 
 SOURCE = Path(__file__).with_name("kv_int.cpp")
@@ -55,3 +58,10 @@ def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> t
     return torch.ops.sparsegen.kv_mix(
         probs.float().contiguous(), values, ring, positions, seen, codec.bits, codec.group
     )
+
+
+def rolled_scores(query: torch.Tensor, keys: torch.Tensor, delta: torch.Tensor, rotation: KeyRotation) -> torch.Tensor:
+    """query [b, h, g, d] . every fp32 key [b, h, n, d] rotated by its delta [b, h, n] (rolling
+    positions, `kv.rope`), without writing the rotated keys: fp32 [b, h, g, n]."""
+    table, reach = rotation.table(delta)
+    return torch.ops.sparsegen.rolled_scores(query.float().contiguous(), keys, delta.contiguous(), table, reach)

@@ -1,4 +1,7 @@
-// Attention products over keys and values held as byte rows (sparsegen/kv/quantized.py): each row
+// Attention products over the held KV without a float copy of the cache: over keys and values held
+// as byte rows (kv_scores, kv_mix), and over full-precision keys at rolling positions (rolled_scores).
+//
+// Byte rows (sparsegen/kv/quantized.py): each row
 // is D codes (one byte each at 8 bits, two a byte at 4, low nibble first) followed by, per group
 // of `group` channels, an fp16 scale and an fp16 minimum. A slot whose token is among its row's
 // newest RESIDUAL is read from the full-precision ring instead, and a free slot (position < 0) is
@@ -199,10 +202,61 @@ torch::Tensor kv_mix(torch::Tensor probs, torch::Tensor values, torch::Tensor ri
   return partial.select(2, 1).sum(1).view({b, h, g, d});
 }
 
+// query [b, h, g, d] fp32 . every key [b, h, n, d] fp32 rotated by its slot's delta [b, h, n] (rolling
+// positions, sparsegen/kv/rope.py) -> [b, h, g, n]. `table` [2 * reach + 1, 2 * rot] holds the cos then
+// the sin of every delta -reach..reach (half-split RoPE: channel c and c + rot / 2 share an angle);
+// channels from `rot` on are not rotated. Each key is rotated into a buffer in L1 and used at once for
+// every query of its head, so a step reads the keys once and writes no rotated copy.
+torch::Tensor rolled_scores(torch::Tensor query, torch::Tensor keys, torch::Tensor delta, torch::Tensor table,
+                            int64_t reach) {
+  const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3), n = keys.size(2);
+  const int64_t rot = table.size(1) / 2, half = rot / 2;
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && query.is_contiguous(), "rolled_scores: contiguous fp32 query");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat && keys.stride(3) == 1 && keys.size(3) == d && d <= kMaxDim,
+              "rolled_scores: fp32 keys [b, h, n, d] with contiguous rows expected");
+  TORCH_CHECK(delta.scalar_type() == torch::kLong && delta.is_contiguous() && table.is_contiguous() && rot <= d,
+              "rolled_scores: contiguous int64 deltas and an fp32 table expected");
+  auto out = torch::empty({b, h, g, n}, query.options());
+  const float *q = query.data_ptr<float>(), *k = keys.data_ptr<float>(), *tab = table.data_ptr<float>();
+  const int64_t* dl = delta.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t s0 = keys.stride(0), s1 = keys.stride(1), s2 = keys.stride(2), blocks = (n + 255) / 256;
+  at::parallel_for(0, b * h * blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float row[kMaxDim];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, block = task % blocks, bi = bh / h, hi = bh % h;
+      for (int64_t t = block * 256; t < std::min(n, (block + 1) * 256); ++t) {
+        const float* key = k + bi * s0 + hi * s1 + t * s2;
+        const int64_t shift = dl[bh * n + t];
+        const float* from = key;
+        if (shift != 0) {
+          TORCH_CHECK(shift >= -reach && shift <= reach, "rolled_scores: a delta beyond the table");
+          const float* cos = tab + (shift + reach) * 2 * rot;
+          const float* sin = cos + rot;
+#pragma omp simd
+          for (int64_t c = 0; c < half; ++c) {
+            row[c] = key[c] * cos[c] - key[c + half] * sin[c];
+            row[c + half] = key[c + half] * cos[c + half] + key[c] * sin[c + half];
+          }
+          for (int64_t c = rot; c < d; ++c) row[c] = key[c];
+          from = row;
+        }
+        for (int64_t j = 0; j < g; ++j) o[(bh * g + j) * n + t] = dot(q + (bh * g + j) * d, from, d);
+      }
+    }
+  });
+  return out;
+}
+
 // Shapes alone, for tracing: a compiled step keeps each op as one opaque call. Symbolic sizes, so a
 // graph traced for any row count or slot count stays one graph.
 torch::Tensor kv_scores_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
                              torch::Tensor seen, int64_t bits, int64_t group) {
+  return at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2), keys.sym_size(2)}, query.options());
+}
+
+torch::Tensor rolled_scores_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor delta, torch::Tensor table,
+                                 int64_t reach) {
   return at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2), keys.sym_size(2)}, query.options());
 }
 
@@ -215,14 +269,17 @@ torch::Tensor kv_mix_meta(torch::Tensor probs, torch::Tensor values, torch::Tens
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("kv_scores(Tensor query, Tensor keys, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
   m.def("kv_mix(Tensor probs, Tensor values, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
+  m.def("rolled_scores(Tensor query, Tensor keys, Tensor delta, Tensor table, int reach) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("kv_scores", &kv_scores);
   m.impl("kv_mix", &kv_mix);
+  m.impl("rolled_scores", &rolled_scores);
 }
 TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
   m.impl("kv_scores", &kv_scores_meta);
   m.impl("kv_mix", &kv_mix_meta);
+  m.impl("rolled_scores", &rolled_scores_meta);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,0 +1,43 @@
+"""Rolling positions in the fast path: keys rotated inside the product (`kv.kernels.rolled_scores`)."""
+
+import pytest
+import torch
+
+from sparsegen.decode import Decoder, generate
+from sparsegen.kv.kernels import kernels_available, rolled_scores
+from sparsegen.kv.rope import KeyRotation
+from tests.conftest import build_tiny
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rolled_products_equal_rotating_the_keys_then_multiplying(rotary_dim):
+    assert kernels_available()  # the machine's compiler builds them; CI has one
+    generator = torch.Generator().manual_seed(3)
+    rotation = KeyRotation(1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)))
+    query = torch.randn(2, 3, 3, 64, generator=generator)
+    buffer = torch.randn(2, 3, 70, 64, generator=generator)
+    keys = buffer[:, :, 5:55]  # a view, as the slots of a larger buffer
+    delta = torch.randint(-40, 41, (2, 3, 50), generator=generator)
+    delta[:, :, ::4] = 0  # unmoved slots are read as they are
+    expected = query @ rotation.rotate(keys, delta).transpose(-1, -2)
+    torch.testing.assert_close(rolled_scores(query, keys, delta, rotation), expected, rtol=1e-5, atol=1e-5)
+    far = torch.full_like(delta, 3000)  # beyond the table so far: it grows
+    expected = query @ rotation.rotate(keys, far).transpose(-1, -2)
+    torch.testing.assert_close(rolled_scores(query, keys, far, rotation), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_streaming_h2o_decodes_the_same_tokens_with_and_without_the_rolled_kernel(arch, monkeypatch):
+    import sparsegen.decode.handover as handover
+
+    model = build_tiny(arch)
+    lengths = (30, 37)
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+    fused = Decoder(model, "streaming_h2o", compile="never", budget=16)
+    with_kernel = generate(model, prompts, 24, decoder=fused)
+    assert all(layer.rolled_products for layer in fused.state.layers)
+    monkeypatch.setattr(handover, "kernels_available", lambda: False)
+    plain = Decoder(model, "streaming_h2o", compile="never", budget=16)
+    without = generate(model, prompts, 24, decoder=plain)
+    assert not any(layer.rolled_products for layer in plain.state.layers)
+    assert with_kernel.tokens == without.tokens
