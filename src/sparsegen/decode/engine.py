@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from sparsegen.decode.handover import slots_of, stack_rows
+from sparsegen.decode.handover import slots_of, stack_layer
 from sparsegen.decode.state import StaticKV
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import few_row_linears, restore_linears, use_gemv
@@ -135,15 +135,14 @@ class Decoder:
     def join(self, caches: list[PolicyCache], max_new_tokens: int, context: SharedPrefill | None = None) -> None:
         """Add the rows of prefilled `caches` to the batch (after the rows already in it). Given the
         `context` they were all made from (`SharedPrefill.cache_for`), rows that keep every new
-        token read its keys and values once per step instead of each a copy; rows of different
-        policies decode in one step, each policy's rows in a state of their own (`decode.handover`)."""
+        token read its keys and values once per step instead of each a copy (`decode.handover`)."""
         layers = []
         for index in range(len(caches[0].layers)):
             parts = [slots_of(cache.layers[index]) for cache in caches]
             shared = None if context is None else context.layer_kv(index)
-            layers.append(stack_rows(parts, max_new_tokens, self.kv_dtype, shared))
+            layers.append(stack_layer(parts, max_new_tokens, self.kv_dtype, shared))
         counts = [cache.get_seq_length() for cache in caches for _ in range(_rows(cache))]
-        seen = torch.tensor(counts, device=self.device)
+        seen = torch.tensor(counts, device=layers[0].keys.device)
         joining = StaticKV(layers, seen, varying=self.rows_vary)
         if self.state is None or not self.rows:
             self.state = joining

@@ -12,7 +12,6 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.decode.context import ContextRows, split_context
-from sparsegen.decode.groups import RowGroups
 from sparsegen.decode.state import DEAD, RING, LayerState
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
@@ -20,31 +19,6 @@ from sparsegen.kv.kernels import kernels_available
 from sparsegen.kv.policy import PARTS, Sizes
 from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer
 from sparsegen.kv.window import WindowPolicy
-
-
-def stack_rows(
-    parts: list[HeldSlots],
-    max_new_tokens: int,
-    kv_dtype: torch.dtype,
-    context: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> LayerState | RowGroups:
-    """One layer's slots for the rows of `parts` (`stack_layer`); rows of different kinds (every
-    row that keeps each new token is one kind, the rows of each evicting policy class another)
-    as one state per kind, decoded in the same step (`decode.groups`)."""
-    kinds: dict[object, list[tuple[HeldSlots, list[int]]]] = {}
-    first = 0
-    for part in parts:
-        kind = (type(part.policy), part.rotation is not None) if part.evicting else "keeps every token"
-        kinds.setdefault(kind, []).append((part, list(range(first, first + part.keys.shape[0]))))
-        first += part.keys.shape[0]
-    if len(kinds) == 1:
-        return stack_layer(parts, max_new_tokens, kv_dtype, context)
-    device = parts[0].keys.device
-    groups, rows = [], []
-    for members in kinds.values():
-        groups.append(stack_layer([part for part, _ in members], max_new_tokens, kv_dtype, context))
-        rows.append(torch.tensor([row for _, indices in members for row in indices], device=device))
-    return RowGroups(groups, rows)
 
 
 def stack_layer(

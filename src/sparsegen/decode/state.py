@@ -11,7 +11,6 @@ eviction). Every shape is fixed, so one compiled graph serves every later token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -24,9 +23,6 @@ from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.slots import EMPTY, HeldSlots, take_slots
-
-if TYPE_CHECKING:
-    from sparsegen.decode.groups import RowGroups
 
 DEAD = -2
 RING = ("recent_keys", "recent_values")
@@ -153,21 +149,6 @@ class LayerState:
         layer.keys, layer.values, layer.is_initialized = keys, values, True
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.cumulative_length = seen
-
-    def parts(self) -> list[LayerState]:
-        """The states holding rows (`decode.groups` holds several)."""
-        return [self]
-
-    def kv_bytes(self) -> int:
-        """Bytes of this layer's key and value buffers (a shared context once)."""
-        held = [self.keys, self.values, self.recent_keys, self.recent_values]
-        held += [] if self.context is None else [self.context.keys, self.context.values]
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
-
-    def live_tokens(self) -> torch.Tensor:
-        """Tokens each row holds [b] (in its first head), after the last step's eviction."""
-        own = (self.positions[:, 0] >= 0).sum(-1)
-        return own if self.context is None else own + self.context.live[:, 0].sum(-1)
 
     def _stored(self, new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
         return new.to(buffer.dtype) if self.codec is None else self.codec.encode(new)
@@ -301,7 +282,7 @@ class StaticKV:
     row count and the slot count are left free in a compiled step (rows join and leave a server's
     batch), so a change of either does not compile it again."""
 
-    layers: list[LayerState | RowGroups]
+    layers: list[LayerState]
     seen: torch.Tensor
     varying: bool = False
 
@@ -327,9 +308,8 @@ class StaticKV:
         """Tell the compiler what changes between steps, whenever rows join or leave (new buffers
         replace the old): with `varying`, the rows and slots dimensions; on a GPU, that the slots
         keep their addresses from step to step (a CUDA graph replays over them)."""
-        parts = [part for layer in self.layers for part in layer.parts()]
         if self.varying:
-            for layer in parts:
+            for layer in self.layers:
                 for name in layer.per_row:
                     torch._dynamo.maybe_mark_dynamic(getattr(layer, name), 0)
                 for name in ("keys", "values", "positions", "scores"):
@@ -339,15 +319,19 @@ class StaticKV:
             torch._dynamo.maybe_mark_dynamic(self.seen, 0)
         if not self.seen.is_cuda:
             return
-        for layer in parts:
+        for layer in self.layers:
             for name in layer.per_row:
                 torch._dynamo.mark_static_address(getattr(layer, name), guard=False)
         torch._dynamo.mark_static_address(self.seen, guard=False)
 
     def kv_bytes(self) -> int:
-        """Bytes of the preallocated key and value buffers (all rows, all slots, a shared context once)."""
-        return sum(layer.kv_bytes() for layer in self.layers)
+        """Bytes of the preallocated key and value buffers (all rows, all slots)."""
+        held = [(layer.keys, layer.values, layer.recent_keys, layer.recent_values) for layer in self.layers]
+        held += [(layer.context.keys, layer.context.values) for layer in self.layers if layer.context is not None]
+        return sum(t.numel() * t.element_size() for tensors in held for t in tensors if t is not None)
 
     def live_tokens(self) -> torch.Tensor:
         """Tokens held per row after the last step's eviction, in the first layer."""
-        return self.layers[0].live_tokens()
+        first = self.layers[0]
+        own = (first.positions[:, 0] >= 0).sum(-1)
+        return own if first.context is None else own + first.context.live[:, 0].sum(-1)

@@ -2,7 +2,7 @@
 
 Each sample's context is read once (`kv.shared.SharedPrefill`); every policy x ratio then gets the
 cache it would have made reading that context itself, and the question and answer are decoded
-over what it kept (all of them as rows of one batch). A compression ratio is the share of
+over what it kept (one batch per policy, a row per ratio). A compression ratio is the share of
 the tokens read before the question that is evicted (kvpress's `compression_ratio`): the policy's
 budget is the rest, at least one token. Protocols: `query-agnostic` compresses the context before
 the question is read (kvpress's leaderboard); `query-aware` reads the question with the context,
@@ -89,10 +89,10 @@ def _read_alone(model, context: list[int], policy, kv_bits: int | None):
 
 
 def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings: RulerSettings) -> list[list[dict]]:
-    """The cells as rows of decodes: every cell in one batch (each step reads the weights once for
-    all; the decoder keeps each policy's rows apart, `decode.groups`, and the rows that keep every
-    new token read the shared context once). Separate runs (`separate_prefill`) decode every cell
-    alone, as a run per cell would."""
+    """The cells as rows of shared decodes: every cell whose cache keeps each new token (the full
+    cache, a policy that compressed the context once) in one batch, since decoding then consults
+    no policy; each policy that evicts while decoding in its own (its ratios as rows). Separate
+    runs (`separate_prefill`) decode every cell alone, as a run per cell would."""
     from sparsegen.kv import make_policy
 
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -100,7 +100,8 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
         budget = kept_tokens(context_length, ratio) if ratio else None
         extra = {"heads": settings.duo_heads} if name == "duo_attention" and settings.duo_heads else {}
         policy = make_policy(name, budget=budget, **extra)
-        key = (name, ratio) if settings.separate_prefill else "one batch"
+        keeps_new = name == "full" or type(policy).prefill_only
+        key = (name, ratio) if settings.separate_prefill else "keeps every new token" if keeps_new else name
         groups[key].append({"name": name, "ratio": ratio, "budget": budget, "policy": policy})
     return list(groups.values())
 
