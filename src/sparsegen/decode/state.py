@@ -265,9 +265,10 @@ class LayerState:
 
 
 def _ranks(live: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """Each live slot's rank among its row's live slots by position [b, h, C]: by counting the
-    live positions below it (eagerly, far cheaper than sorting each step), or by sorting (traced)."""
-    if torch.compiler.is_compiling():
+    """Each live slot's rank among its row's live slots by position [b, h, C]: on a CPU, eagerly,
+    by counting the live positions below it (far cheaper than two sorts a layer each step); else
+    by sorting (a traced graph; a GPU, which the count's size check would stall)."""
+    if torch.compiler.is_compiling() or not positions.is_cpu:
         return torch.where(live, positions, torch.iinfo(torch.long).max).argsort(-1).argsort(-1)
     top = int(seen.max())  # above every held position
     index = torch.where(live, positions, top)
