@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from sparsegen.errors import SparsegenError
 from sparsegen.kv.slots import EMPTY, HeldSlots, gather_slots
 
 
@@ -47,7 +48,7 @@ class ContextRows:
 
     def extend(self, other: ContextRows) -> None:
         if other.keys is not self.keys:
-            raise ValueError("rows reading different shared contexts cannot share a batch")
+            raise SparsegenError("rows reading different shared contexts cannot share a batch: decode each apart")
         self.live = torch.cat([self.live, other.live])
 
 
