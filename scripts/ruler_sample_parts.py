@@ -46,9 +46,9 @@ def main(out: Path, task: str) -> None:
         choices[policy.name] += time.perf_counter() - started
         return cache
 
-    def timed_init(self, ids):
+    def timed_init(self, model, ids):
         started = time.perf_counter()
-        shared_init(self, ids)
+        shared_init(self, model, ids)
         print(f"  shared read {time.perf_counter() - started:.2f} s")
 
     sparsegen.decode.generate = timed_generate

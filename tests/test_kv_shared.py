@@ -78,7 +78,7 @@ def test_a_prompt_compressed_once_is_read_whole_whatever_the_chunk():
 def test_rows_reading_one_shared_context_decode_as_their_own_copies(arch):
     """Rows that keep every new token read the shared context's KV once per step, masked to what
     each kept (`decode.context`): the same tokens as each row decoding its own copy, every row
-    alone too, and the context held once, not per row. Evicting rows keep their copies."""
+    alone too, and the context held once, not per row."""
     model = build_tiny(arch)
     ids = torch.randint(3, 96, (96,), generator=torch.Generator().manual_seed(6)).tolist()
     shared = SharedPrefill(model, ids)
@@ -100,8 +100,60 @@ def test_rows_reading_one_shared_context_decode_as_their_own_copies(arch):
     attention = [layer for layer in decoder.state.layers if layer.context is not None]
     assert attention and all(layer.context.keys.shape[1] == len(ids) for layer in attention)
     assert all(layer.keys.shape[2] < len(ids) for layer in attention)  # own tokens only in the slots
-    evicting = [p for p in policies if p not in keeping][:2]
-    mixed = Decoder(model, evicting[0], compile="never")
-    held = [shared.cache_for(p) for p in evicting]
-    generate(model, [[9, 10]] * 2, 3, held=held, shared_context=shared, decoder=mixed)
-    assert all(layer.context is None for layer in mixed.state.layers)
+
+
+def _held_positions(state) -> list:
+    """Every row's held positions per layer and KV head, from the slots and the shared context."""
+    held = []
+    for layer in state.layers:
+        own = [[sorted(p for p in head.tolist() if p >= 0) for head in row] for row in layer.positions]
+        if layer.context is not None:
+            for row, live in zip(own, layer.context.live, strict=True):
+                for head, marks in zip(row, live, strict=True):
+                    head[:0] = marks.nonzero().flatten().tolist()
+        held.append(own)
+    return held
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_evicting_rows_reading_a_shared_context_evict_as_their_own_copies(arch):
+    """Rows evicting while decoding at original positions read the shared context too, and drop
+    context tokens by mask: the same tokens and the same held positions, layer by layer and head
+    by head, as the rows decoding their own copies; rolling positions keep their copies."""
+    model = build_tiny(arch)
+    ids = torch.randint(3, 96, (96,), generator=torch.Generator().manual_seed(7)).tolist()
+    shared = SharedPrefill(model, ids)
+    evicting = [name for name in TABLE if name != "full" and not make_policy(name).prefill_only]
+    assert {"h2o", "tova", "window", "streaming"} <= set(evicting)
+    for name in evicting:
+        policies = [make_policy(name, budget=budget) for budget in (10, 24, 60)]
+        questions = [[9, 10, 11 + row] for row in range(len(policies))]
+        decoders = [Decoder(model, policies[0], compile="never") for _ in range(2)]
+        mine, theirs = (
+            generate(model, questions, 9, held=[shared.cache_for(p) for p in policies], decoder=decoder, **options)
+            for decoder, options in zip(decoders, ({"shared_context": shared}, {}), strict=True)
+        )
+        assert mine.tokens == theirs.tokens, name
+        assert _held_positions(decoders[0].state) == _held_positions(decoders[1].state), name
+        assert decoders[0].state.live_tokens().tolist() == decoders[1].state.live_tokens().tolist(), name
+        reads = [layer.context is not None for layer in decoders[0].state.layers if layer.evicting]
+        assert any(reads) == (make_policy(name).default_position == "original"), name
+
+
+def test_rows_of_every_policy_reading_one_shared_context_decode_as_each_alone():
+    """One batch of rows of different policies over one shared context (the RULER job's batch):
+    each evicts by its own policy and budget, and decodes the tokens it decodes alone."""
+    model = build_tiny("qwen2")
+    ids = torch.randint(3, 96, (80,), generator=torch.Generator().manual_seed(9)).tolist()
+    shared = SharedPrefill(model, ids)
+    names = [name for name in TABLE if make_policy(name).default_position == "original"]
+    policies = [make_policy(n) if n == "full" else make_policy(n, budget=b) for n in names for b in (12, 30)]
+    questions = [[9, 10, 11 + row % 4] for row in range(len(policies))]
+    decoder = Decoder(model, policies[0], compile="never")
+    held = [shared.cache_for(p) for p in policies]
+    batch = generate(model, questions, 8, held=held, shared_context=shared, decoder=decoder)
+    assert all(layer.context is not None for layer in decoder.state.layers)
+    assert {type(rule) for rule in decoder.state.layers[0].context.rules} > {type(None)}
+    for policy, question, tokens in zip(policies, questions, batch.tokens, strict=True):
+        alone = generate(model, [question], 8, policy, compile="never", held=[shared.cache_for(policy)])
+        assert alone.tokens[0] == tokens, policy.describe()

@@ -5,26 +5,38 @@ decoding them as copies reads every row's copy each step, tens of rows x thousan
 the rows' queries meet the context's keys in one product per head (a matrix product, not a
 matrix-vector product per row), each row masked to the tokens its policy kept; the softmax runs
 over those and the row's own tokens (question and answer) together, as over a copy.
+
+Rows whose policy evicts while decoding (at original positions) read the context the same way:
+the policy scores the context tokens a row holds and its own together, and once the row holds
+more than its budget the lowest-priority of them leaves, a context token by clearing its mark.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.slots import EMPTY, HeldSlots, gather_slots
 
 
 @dataclass
 class ContextRows:
     """A context's keys and values [h, S, d], shared by the rows; live [b, h, S]: the context
-    tokens each row holds."""
+    tokens each row holds; scores [b, h, S]: the running scores of them; `rules`: the policy each
+    row evicts by while decoding, None where it keeps every new token."""
 
     keys: torch.Tensor
     values: torch.Tensor
     live: torch.Tensor
+    scores: torch.Tensor
+    rules: tuple[Policy | None, ...]
+    groups: list[tuple[Policy, slice | torch.Tensor]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.groups = _groups(self.rules, self.live.device)
 
     @property
     def length(self) -> int:
@@ -35,7 +47,7 @@ class ContextRows:
         b, h, g, d = query.shape
         flat = query.to(self.keys.dtype).transpose(0, 1).reshape(h, b * g, d)
         scores = (flat @ self.keys.transpose(-1, -2)).float().view(h, b, g, -1).transpose(0, 1)
-        return (scores * scaling).masked_fill(~self.live.unsqueeze(2), float("-inf"))
+        return (scores * scaling).masked_fill_(~self.live.unsqueeze(2), float("-inf"))
 
     def mix(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [b, h, g, S] fp32 over the context -> [b, h, g, d] fp32."""
@@ -44,25 +56,78 @@ class ContextRows:
         return (flat @ self.values).float().view(h, b, g, -1).transpose(0, 1)
 
     def select(self, rows: torch.Tensor) -> None:
-        self.live = self.live[rows].contiguous()
+        self.live, self.scores = self.live[rows].contiguous(), self.scores[rows].contiguous()
+        self.rules = tuple(self.rules[row] for row in rows.tolist())
+        self.groups = _groups(self.rules, self.live.device)
 
     def extend(self, other: ContextRows) -> None:
         if other.keys is not self.keys:
             raise SparsegenError("rows reading different shared contexts cannot share a batch: decode each apart")
-        self.live = torch.cat([self.live, other.live])
+        self.live, self.scores = torch.cat([self.live, other.live]), torch.cat([self.scores, other.scores])
+        self.rules += other.rules
+        self.groups = _groups(self.rules, self.live.device)
+
+    def evict(self, sizes: Sizes, positions: torch.Tensor, scores: torch.Tensor, step: dict) -> torch.Tensor:
+        """Each evicting row's policy step over the context tokens it holds and its own slots
+        (`positions`, `scores` [b, h, C], updated in place; `step`: the rest of the `Step`,
+        `weights` over context then own slots): a row over budget drops its lowest-priority token.
+        Returns each row's next own slot [b, h, 1]."""
+        for rule, rows in self.groups:
+            live, own = self.live[rows], positions[rows]
+            b, h, length = live.shape
+            index = torch.arange(length, device=own.device).expand(b, h, length)
+            part = Step(
+                positions=torch.cat([index.masked_fill(~live, EMPTY), own], -1),
+                keys=None,
+                values=None,
+                scores=torch.cat([self.scores[rows], scores[rows]], -1),
+                sizes=Sizes(*(getattr(sizes, name)[rows] for name in PARTS)),
+                **{name: value[rows] if name in PER_ROW else value for name, value in step.items()},
+            )
+            update = rule.score(part)
+            if update is not None:
+                part.scores.copy_(update)
+            held = part.positions >= 0
+            victim = rule.priority(part).float().masked_fill(~held, KEEP).argmin(-1, keepdim=True)
+            over = held.sum(-1, keepdim=True) > part.sizes.budget
+            held.scatter_(2, victim, held.gather(2, victim) & ~over)
+            self.live[rows], self.scores[rows] = held[..., :length], part.scores[..., :length]
+            scores[rows], positions[rows] = part.scores[..., length:], own.masked_fill(~held[..., length:], EMPTY)
+        return (positions == EMPTY).int().argmax(-1, keepdim=True)
 
 
-def split_context(part: HeldSlots, length: int) -> tuple[torch.Tensor, HeldSlots]:
-    """A prefilled part's context tokens (positions below `length`) as a mask [b, h, length], and
-    the part holding only its own tokens after them (free slots where a row or head has fewer)."""
+PER_ROW = ("query", "seen", "weights")
+
+
+def _groups(rules: tuple[Policy | None, ...], device: torch.device) -> list[tuple[Policy, slice | torch.Tensor]]:
+    """The evicting rows by policy (one budget apart: each row's sizes are its own): a slice of
+    the batch where they are consecutive, else an index."""
+    groups: dict[tuple, list[int]] = {}
+    for row, rule in enumerate(rules):
+        if rule is not None:
+            settings = tuple((f.name, getattr(rule, f.name)) for f in fields(rule) if f.name not in PARTS)
+            groups.setdefault((type(rule), settings), []).append(row)
+    return [
+        (rules[rows[0]], slice(rows[0], rows[-1] + 1))
+        if rows == list(range(rows[0], rows[-1] + 1))
+        else (rules[rows[0]], torch.tensor(rows, device=device))
+        for rows in groups.values()
+    ]
+
+
+def split_context(part: HeldSlots, length: int) -> tuple[torch.Tensor, torch.Tensor, HeldSlots]:
+    """A prefilled part's context tokens (positions below `length`) as a mask [b, h, length] and
+    their scores, and the part holding only its own tokens after them (free slots where a row or
+    head has fewer)."""
     positions = part.positions
     in_context = (positions >= 0) & (positions < length)
     b, h = positions.shape[:2]
-    counts = positions.new_zeros(b, h, length)
-    counts.scatter_add_(2, torch.where(in_context, positions, 0), in_context.long())
+    at = torch.where(in_context, positions, 0)
+    counts = positions.new_zeros(b, h, length).scatter_add_(2, at, in_context.long())
+    scores = part.scores.new_zeros(b, h, length).scatter_add_(2, at, part.scores.masked_fill(~in_context, 0))
     own = positions >= length
     order = (~own).to(torch.uint8).argsort(dim=-1, stable=True)[..., : int(own.sum(-1).max())]
     kept = own.gather(2, order)
     tokens = {name: gather_slots(getattr(part, name), order) for name in ("keys", "values", "scores")}
     tokens["positions"] = torch.where(kept, positions.gather(2, order), EMPTY)
-    return counts > 0, replace(part, **tokens)
+    return counts > 0, scores, replace(part, **tokens)

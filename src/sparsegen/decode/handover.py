@@ -29,17 +29,21 @@ def stack_layer(
 ) -> LayerState:
     """One layer's slots for the rows of `parts`, room for `max_new_tokens` each. `context`, the
     keys and values [h, S, d] of a context every part read first (at positions 0..S-1), is read
-    once per step instead of held per row, where every part keeps each new token in full precision."""
-    shares = context is not None and all(
-        not part.evicting and part.codec is None and part.rotation is None for part in parts
-    )
+    once per step instead of held per row, where every part holds full-precision keys at their
+    original positions (an evicting row then evicts context tokens by mask, `decode.context`)."""
+    shares = context is not None and all(part.codec is None and part.rotation is None for part in parts)
     if not shares:
         return stack(parts, capacity_for(parts, max_new_tokens), kv_dtype)
     keys, values = context
     split = [split_context(part, keys.shape[1]) for part in parts]
-    own = [part for _, part in split]
-    state = stack(own, capacity_for(own, max_new_tokens), kv_dtype)
-    state.context = ContextRows(keys.to(kv_dtype), values.to(kv_dtype), torch.cat([live for live, _ in split]))
+    own = [part for *_, part in split]
+    state = stack(own, capacity_for(own, max_new_tokens, bounded=False), kv_dtype, bounded=False)
+    live, scores = (torch.cat(parts) for parts in zip(*(pair for *pair, _ in split), strict=True))
+    rules = tuple(part.policy if part.evicting else None for part in parts for _ in range(part.keys.shape[0]))
+    state.context = ContextRows(keys.to(kv_dtype), values.to(kv_dtype), live, scores, rules)
+    state.evicting = any(
+        rule is not None for rule in rules
+    )  # rows of different policies may share the step: each evicts by its own
     return state
 
 
@@ -62,18 +66,20 @@ def slots_of(layer: CacheLayerMixin) -> HeldSlots:
     )
 
 
-def capacity_for(parts: list[HeldSlots], max_new_tokens: int) -> int:
-    """Slots a layer needs: the largest budget plus the token in flight, or (keeping every token)
-    the longest held row plus its new tokens, rounded up to 64 (fewer shapes to compile)."""
-    if parts[0].evicting:
+def capacity_for(parts: list[HeldSlots], max_new_tokens: int, bounded: bool = True) -> int:
+    """Slots a layer needs: the largest budget plus the token in flight, or (keeping every token,
+    or not `bounded` by the budget) the longest held row plus its new tokens, rounded up to 64
+    (fewer shapes to compile)."""
+    if parts[0].evicting and bounded:
         return max(part.sizes.budget for part in parts) + 1
     held = max(part.positions.shape[2] for part in parts)
     return -(-(held + max_new_tokens) // 64) * 64
 
 
-def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> LayerState:
+def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool = True) -> LayerState:
     """One layer's slots for all rows, from each row group's prefilled layer: in their codec's
-    bytes where they are held in one, else in `kv_dtype`."""
+    bytes where they are held in one, else in `kv_dtype`. An evicting row's slots beyond its
+    budget are DEAD where it is `bounded` by them (not where it also holds a shared context)."""
     codec = parts[0].codec
     if any(part.codec != codec for part in parts):
         raise SparsegenError("rows of one batch must hold their KV in the same number of bits (kv_bits)")
@@ -93,7 +99,7 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype) -> Layer
         values[row : row + n, :, :held] = part.values
         positions[row : row + n, :, :held] = part.positions
         scores[row : row + n, :, :held] = part.scores
-        if part.evicting:
+        if part.evicting and bounded:
             positions[row : row + n, :, part.sizes.budget + 1 :] = DEAD
         budgets += [part.sizes] * n
         row += n

@@ -101,8 +101,9 @@ class LayerState:
         b, h = self.positions.shape[:2]
         self.keys = torch.cat([self.keys, self.keys.new_zeros(b, h, extra, self.keys.shape[3])], 2)
         self.values = torch.cat([self.values, self.values.new_zeros(b, h, extra, self.values.shape[3])], 2)
+        bounded = self.evicting and self.context is None
         self.positions = torch.cat(
-            [self.positions, self.positions.new_full((b, h, extra), DEAD if self.evicting else EMPTY)], 2
+            [self.positions, self.positions.new_full((b, h, extra), DEAD if bounded else EMPTY)], 2
         )
         self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, extra)], 2)
 
@@ -115,6 +116,7 @@ class LayerState:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.sizes = Sizes(*(torch.cat([getattr(self.sizes, p), getattr(other.sizes, p)]) for p in PARTS))
         self.sinks = max(self.sinks, other.sinks)
+        self.evicting |= other.evicting and other.context is not None  # rows of a shared context may mix
         if (self.context is None) != (other.context is None):
             raise SparsegenError("rows reading a shared context cannot share a batch with rows that do not")
         if self.context is not None:
@@ -212,8 +214,8 @@ class LayerState:
         logits = logits.masked_fill(~live.unsqueeze(2), float("-inf"))
         if self.context is not None:  # the shared context's logits first, then the row's own tokens'
             probs = torch.cat([self.context.logits(grouped, scaling), logits], -1).softmax(-1)
-            shared, probs = probs.split([self.context.length, logits.shape[-1]], -1)
-            out = self.context.mix(shared) + weighted_values(probs, values)
+            shared, own = probs.split([self.context.length, logits.shape[-1]], -1)
+            out = self.context.mix(shared) + weighted_values(own, values)
         else:
             probs = logits.softmax(-1)
             if self.byte_products:
@@ -237,7 +239,13 @@ class LayerState:
         return torch.cat([scores_of(query, rotated), scores[..., self.sinks :]], -1)
 
     def choose_next_slot(self, query, keys, values, probs, scaling: float, seen: torch.Tensor) -> None:
-        """Score, then free the lowest-priority slot if the row is over budget (else use a free one)."""
+        """Score, then free the lowest-priority slot if the row is over budget (else use a free one).
+        `probs` [b, h, g, n]: the attention over the shared context, if any, then over the slots."""
+        if self.evicting and self.context is not None:
+            weights = probs.view(*query.shape[:2], 1, -1)
+            step = {"query": query, "scaling": scaling, "seen": seen, "new": 1, "weights": weights}
+            self.slot.copy_(self.context.evict(self.sizes, self.positions, self.scores, step))
+            return
         if self.evicting:
             b, hq = query.shape[:2]
             step = Step(

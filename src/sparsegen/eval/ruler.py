@@ -2,9 +2,10 @@
 
 Each sample's context is read once (`kv.shared.SharedPrefill`); every policy x ratio then gets the
 cache it would have made reading that context itself, and the question and answer are decoded
-over what it kept (one batch per policy, a row per ratio). A compression ratio is the share of
-the tokens read before the question that is evicted (kvpress's `compression_ratio`): the policy's
-budget is the rest, at least one token. Protocols: `query-agnostic` compresses the context before
+over what it kept (a row per cell, one batch for every cell that reads the context's keys
+shared, `decode.context`). A compression ratio is the share of the tokens read before the
+question that is evicted (kvpress's `compression_ratio`): the policy's budget is the rest, at
+least one token. Protocols: `query-agnostic` compresses the context before
 the question is read (kvpress's leaderboard); `query-aware` reads the question with the context,
 then compresses. Scores are RULER's own metrics, on predictions cleaned as RULER does.
 """
@@ -89,10 +90,12 @@ def _read_alone(model, context: list[int], policy, kv_bits: int | None):
 
 
 def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings: RulerSettings) -> list[list[dict]]:
-    """The cells as rows of shared decodes: every cell whose cache keeps each new token (the full
-    cache, a policy that compressed the context once) in one batch, since decoding then consults
-    no policy; each policy that evicts while decoding in its own (its ratios as rows). Separate
-    runs (`separate_prefill`) decode every cell alone, as a run per cell would."""
+    """The cells as rows of shared decodes: every cell that can read the shared context (keys at
+    their original positions, full precision: `decode.context`) in one batch, each row evicting
+    by its own policy; a policy at rolling positions in its own (its ratios as rows). Held in
+    `kv_bits`, the cells that keep each new token share one batch (decoding consults no policy),
+    each evicting policy its own. Separate runs (`separate_prefill`) decode every cell alone, as
+    a run per cell would."""
     from sparsegen.kv import make_policy
 
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -101,7 +104,9 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
         extra = {"heads": settings.duo_heads} if name == "duo_attention" and settings.duo_heads else {}
         policy = make_policy(name, budget=budget, **extra)
         keeps_new = name == "full" or type(policy).prefill_only
-        key = (name, ratio) if settings.separate_prefill else "keeps every new token" if keeps_new else name
+        reads_context = settings.kv_bits is None and policy.default_position == "original"
+        key = "keeps every new token" if keeps_new else name
+        key = (name, ratio) if settings.separate_prefill else "reads the context" if reads_context else key
         groups[key].append({"name": name, "ratio": ratio, "budget": budget, "policy": policy})
     return list(groups.values())
 
