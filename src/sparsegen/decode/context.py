@@ -6,7 +6,8 @@ the rows' queries meet the context's keys in one product per head (a matrix prod
 matrix-vector product per row), each row masked to the tokens its policy kept; the softmax runs
 over those and the row's own tokens (question and answer) together, as over a copy.
 
-Rows whose policy evicts while decoding (at original positions) read the context the same way:
+Rows whose policy evicts while decoding read the context the same way (at original positions,
+or at rolling positions keeping the sinks and a run of the newest tokens, the sinks moved):
 the policy scores the context tokens a row holds and its own together, and once the row holds
 more than its budget the lowest-priority of them leaves, a context token by clearing its mark.
 """
@@ -19,6 +20,7 @@ import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
+from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.slots import EMPTY, HeldSlots, gather_slots
 
 
@@ -33,21 +35,42 @@ class ContextRows:
     live: torch.Tensor
     scores: torch.Tensor
     rules: tuple[Policy | None, ...]
+    rolls: tuple[bool, ...]
+    rotation: KeyRotation | None = None
+    sinks: int = 0
     groups: list[tuple[Policy, slice | torch.Tensor]] = field(init=False)
+    rolling: slice | torch.Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
+        self._index()
+
+    def _index(self) -> None:
         self.groups = _groups(self.rules, self.live.device)
+        rows = [row for row, rolls in enumerate(self.rolls) if rolls]
+        self.rolling = _rows(rows, self.live.device) if rows and self.sinks else None
 
     @property
     def length(self) -> int:
         return self.keys.shape[1]
 
-    def logits(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query [b, h, g, d] -> fp32 logits [b, h, g, S], -inf where a row does not hold the token."""
+    def logits(self, query: torch.Tensor, scaling: float, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """query [b, h, g, d] -> fp32 logits [b, h, g, S], -inf where a row does not hold the token.
+        Rows at rolling positions see the first `sinks` tokens moved by `shift` [b, h, 1] (the
+        tokens a row has seen beyond those it holds): their newest run keeps its own positions."""
         b, h, g, d = query.shape
         flat = query.to(self.keys.dtype).transpose(0, 1).reshape(h, b * g, d)
-        scores = (flat @ self.keys.transpose(-1, -2)).float().view(h, b, g, -1).transpose(0, 1)
-        return (scores * scaling).masked_fill_(~self.live.unsqueeze(2), float("-inf"))
+        scores = (flat @ self.keys.transpose(-1, -2)).float().view(h, b, g, -1).transpose(0, 1) * scaling
+        if self.rolling is not None:
+            rows, first = self.rolling, self.keys[:, : self.sinks]
+            rolled = self.rotation.rotate(
+                first.expand(len(shift[rows]), -1, -1, -1), shift[rows].expand(-1, -1, self.sinks)
+            )
+            scores[rows, :, :, : self.sinks] = (query[rows].float() @ rolled.float().transpose(-1, -2)) * scaling
+        return scores.masked_fill_(~self.live.unsqueeze(2), float("-inf"))
+
+    def held(self, own: torch.Tensor) -> torch.Tensor:
+        """Tokens each row and head holds [b, h, 1]: its context tokens and its `own` live slots."""
+        return self.live.sum(-1, keepdim=True) + own.sum(-1, keepdim=True)
 
     def mix(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [b, h, g, S] fp32 over the context -> [b, h, g, d] fp32."""
@@ -57,15 +80,22 @@ class ContextRows:
 
     def select(self, rows: torch.Tensor) -> None:
         self.live, self.scores = self.live[rows].contiguous(), self.scores[rows].contiguous()
-        self.rules = tuple(self.rules[row] for row in rows.tolist())
-        self.groups = _groups(self.rules, self.live.device)
+        self.rules, self.rolls = (tuple(kept[row] for row in rows.tolist()) for kept in (self.rules, self.rolls))
+        self._index()
 
     def extend(self, other: ContextRows) -> None:
         if other.keys is not self.keys:
             raise SparsegenError("rows reading different shared contexts cannot share a batch: decode each apart")
         self.live, self.scores = torch.cat([self.live, other.live]), torch.cat([self.scores, other.scores])
-        self.rules += other.rules
-        self.groups = _groups(self.rules, self.live.device)
+        if other.sinks and self.sinks and other.sinks != self.sinks:
+            raise SparsegenError("rows with different numbers of sinks at rolling positions cannot share a batch")
+        self.rules, self.rolls, self.sinks = (
+            self.rules + other.rules,
+            self.rolls + other.rolls,
+            max(self.sinks, other.sinks),
+        )
+        self.rotation = self.rotation or other.rotation
+        self._index()
 
     def evict(self, sizes: Sizes, positions: torch.Tensor, scores: torch.Tensor, step: dict) -> torch.Tensor:
         """Each evicting row's policy step over the context tokens it holds and its own slots
@@ -100,19 +130,20 @@ PER_ROW = ("query", "seen", "weights")
 
 
 def _groups(rules: tuple[Policy | None, ...], device: torch.device) -> list[tuple[Policy, slice | torch.Tensor]]:
-    """The evicting rows by policy (one budget apart: each row's sizes are its own): a slice of
-    the batch where they are consecutive, else an index."""
+    """The evicting rows by policy (one budget apart: each row's sizes are its own)."""
     groups: dict[tuple, list[int]] = {}
     for row, rule in enumerate(rules):
         if rule is not None:
             settings = tuple((f.name, getattr(rule, f.name)) for f in fields(rule) if f.name not in PARTS)
             groups.setdefault((type(rule), settings), []).append(row)
-    return [
-        (rules[rows[0]], slice(rows[0], rows[-1] + 1))
-        if rows == list(range(rows[0], rows[-1] + 1))
-        else (rules[rows[0]], torch.tensor(rows, device=device))
-        for rows in groups.values()
-    ]
+    return [(rules[rows[0]], _rows(rows, device)) for rows in groups.values()]
+
+
+def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Rows of the batch as a slice where they are consecutive (a view), else as an index."""
+    if rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, device=device)
 
 
 def split_context(part: HeldSlots, length: int) -> tuple[torch.Tensor, torch.Tensor, HeldSlots]:

@@ -31,7 +31,9 @@ def stack_layer(
     keys and values [h, S, d] of a context every part read first (at positions 0..S-1), is read
     once per step instead of held per row, where every part holds full-precision keys at their
     original positions (an evicting row then evicts context tokens by mask, `decode.context`)."""
-    shares = context is not None and all(part.codec is None and part.rotation is None for part in parts)
+    shares = context is not None and all(
+        part.codec is None and (part.rotation is None or part.policy.contiguous) for part in parts
+    )
     if not shares:
         return stack(parts, capacity_for(parts, max_new_tokens), kv_dtype)
     keys, values = context
@@ -40,10 +42,12 @@ def stack_layer(
     state = stack(own, capacity_for(own, max_new_tokens, bounded=False), kv_dtype, bounded=False)
     live, scores = (torch.cat(parts) for parts in zip(*(pair for *pair, _ in split), strict=True))
     rules = tuple(part.policy if part.evicting else None for part in parts for _ in range(part.keys.shape[0]))
-    state.context = ContextRows(keys.to(kv_dtype), values.to(kv_dtype), live, scores, rules)
-    state.evicting = any(
-        rule is not None for rule in rules
-    )  # rows of different policies may share the step: each evicts by its own
+    rolls = tuple(part.rotation is not None for part in parts for _ in range(part.keys.shape[0]))
+    rotation = next((part.rotation for part in parts if part.rotation is not None), None)
+    sinks = max((part.sizes.sinks for part in parts if part.rotation is not None), default=0)
+    state.context = ContextRows(keys.to(kv_dtype), values.to(kv_dtype), live, scores, rules, rolls, rotation, sinks)
+    state.evicting = any(rule is not None for rule in rules)  # rows of different policies may share the step
+    state.rotation, state.sinks = None, 0  # the rows' own tokens are the newest: never moved
     return state
 
 

@@ -213,7 +213,8 @@ class LayerState:
         live = self.positions >= 0
         logits = logits.masked_fill(~live.unsqueeze(2), float("-inf"))
         if self.context is not None:  # the shared context's logits first, then the row's own tokens'
-            probs = torch.cat([self.context.logits(grouped, scaling), logits], -1).softmax(-1)
+            shift = None if self.context.rotation is None else seen - self.context.held(live)
+            probs = torch.cat([self.context.logits(grouped, scaling, shift), logits], -1).softmax(-1)
             shared, own = probs.split([self.context.length, logits.shape[-1]], -1)
             out = self.context.mix(shared) + weighted_values(own, values)
         else:

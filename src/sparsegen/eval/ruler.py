@@ -90,9 +90,10 @@ def _read_alone(model, context: list[int], policy, kv_bits: int | None):
 
 
 def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings: RulerSettings) -> list[list[dict]]:
-    """The cells as rows of shared decodes: every cell that can read the shared context (keys at
-    their original positions, full precision: `decode.context`) in one batch, each row evicting
-    by its own policy; a policy at rolling positions in its own (its ratios as rows). Held in
+    """The cells as rows of shared decodes: every cell that can read the shared context (full
+    precision, keys at original positions or rolling only the sinks: `decode.context`) in one
+    batch, each row evicting by its own policy; another at rolling positions in its own (its
+    ratios as rows). Held in
     `kv_bits`, the cells that keep each new token share one batch (decoding consults no policy),
     each evicting policy its own. Separate runs (`separate_prefill`) decode every cell alone, as
     a run per cell would."""
@@ -104,7 +105,7 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
         extra = {"heads": settings.duo_heads} if name == "duo_attention" and settings.duo_heads else {}
         policy = make_policy(name, budget=budget, **extra)
         keeps_new = name == "full" or type(policy).prefill_only
-        reads_context = settings.kv_bits is None and policy.default_position == "original"
+        reads_context = settings.kv_bits is None and (policy.default_position == "original" or policy.contiguous)
         key = "keeps every new token" if keeps_new else name
         key = (name, ratio) if settings.separate_prefill else "reads the context" if reads_context else key
         groups[key].append({"name": name, "ratio": ratio, "budget": budget, "policy": policy})
