@@ -61,10 +61,9 @@ class ContextRows:
         flat = query.to(self.keys.dtype).transpose(0, 1).reshape(h, b * g, d)
         scores = (flat @ self.keys.transpose(-1, -2)).float().view(h, b, g, -1).transpose(0, 1) * scaling
         if self.rolling is not None:
-            rows, first = self.rolling, self.keys[:, : self.sinks]
-            rolled = self.rotation.rotate(
-                first.expand(len(shift[rows]), -1, -1, -1), shift[rows].expand(-1, -1, self.sinks)
-            )
+            rows, moved = self.rolling, shift[self.rolling]
+            first = self.keys[:, : self.sinks].expand(moved.shape[0], -1, -1, -1)
+            rolled = self.rotation.rotate(first, moved.expand(-1, -1, self.sinks))
             scores[rows, :, :, : self.sinks] = (query[rows].float() @ rolled.float().transpose(-1, -2)) * scaling
         return scores.masked_fill_(~self.live.unsqueeze(2), float("-inf"))
 

@@ -5,9 +5,9 @@ cache it would have made reading that context itself, and the question and answe
 over what it kept (a row per cell, one batch for every cell that reads the context's keys
 shared, `decode.context`). A compression ratio is the share of the tokens read before the
 question that is evicted (kvpress's `compression_ratio`): the policy's budget is the rest, at
-least one token. Protocols: `query-agnostic` compresses the context before
-the question is read (kvpress's leaderboard); `query-aware` reads the question with the context,
-then compresses. Scores are RULER's own metrics, on predictions cleaned as RULER does.
+least one token. Protocols: `query-agnostic` compresses the context before the question is read
+(kvpress's leaderboard); `query-aware` reads the question with the context, then compresses.
+Scores are RULER's own metrics, on predictions cleaned as RULER does.
 """
 
 from __future__ import annotations
@@ -93,10 +93,9 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
     """The cells as rows of shared decodes: every cell that can read the shared context (full
     precision, keys at original positions or rolling only the sinks: `decode.context`) in one
     batch, each row evicting by its own policy; another at rolling positions in its own (its
-    ratios as rows). Held in
-    `kv_bits`, the cells that keep each new token share one batch (decoding consults no policy),
-    each evicting policy its own. Separate runs (`separate_prefill`) decode every cell alone, as
-    a run per cell would."""
+    ratios as rows). Held in `kv_bits`, the cells that keep each new token share one batch
+    (decoding consults no policy), each evicting policy its own. Separate runs
+    (`separate_prefill`) decode every cell alone, as a run per cell would."""
     from sparsegen.kv import make_policy
 
     groups: dict[str, list[dict]] = defaultdict(list)
