@@ -111,3 +111,22 @@ def test_what_kvzip_cannot_do_is_a_one_line_error():
         make_policy("kvzip", chunk=0)
     roomy = make_cache(model, "kvzip", budget=64)  # nothing to evict: model.generate needs no re-reading
     assert len(generate_drop_in(model, ids, roomy, 4)) == 4
+
+
+@pytest.mark.parametrize("group", (1, 3))
+def test_the_one_pass_reread_attends_as_sdpa_and_scores_as_attention_received(group):
+    from sparsegen.kv.kvzip import attention_and_peaks
+    from sparsegen.kv.policy import attention_received
+
+    generator = torch.Generator().manual_seed(11)
+    query = torch.randn(2, 2 * group, 300, 16, generator=generator)
+    keys, values = (torch.randn(2, 2, 700, 16, generator=generator) for _ in range(2))
+    out, peak = attention_and_peaks(query, keys, values, 0.25)
+    held = torch.ones(300, 400, dtype=torch.bool)
+    mask = torch.cat([held, torch.ones(300, 300, dtype=torch.bool).tril()], dim=1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=mask, scale=0.25
+    )
+    assert out.shape == (2, 300, 2 * group, 16)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert torch.equal(peak, attention_received(query, keys, 0.25, peak=True))

@@ -73,8 +73,8 @@ def _make_attention(base):
             state = static_kv.layers[module.layer_idx]
             state.write(key, value, static_kv.seen - 1)
             return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
-        if policy_layer is not None and policy_layer.head_of is not None:  # heads of different lengths
-            out = policy_layer.attend_flat(query, key, value, scaling)
+        out = None if policy_layer is None else policy_layer.own_attention(query, key, value, scaling)
+        if out is not None:  # heads of different lengths, or a re-reading that records what it attends to
             policy_layer.after_attention(query, key, scaling, values=value)
             return out, None
         if policy_layer is not None and attention_mask is not None:

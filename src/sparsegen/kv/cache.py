@@ -328,8 +328,11 @@ class PolicyLayer(CacheLayerMixin):
             setattr(self, name, buffer)
         self.size = total
 
-    def attend_flat(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
-        """This call's attention over the flattened heads (`kv.ragged.attend`)."""
+    def own_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+        """This call's attention where the layer computes it itself (over flattened heads,
+        `kv.ragged.attend`), or None: the model's attention function computes it."""
+        if self.head_of is None:
+            return None
         head_of, positions = self.head_of[:, :, : self.size], self.positions[:, :, : self.size]
         return ragged.attend(query, keys, values, head_of, positions, self.kv_heads, scaling, self.cumulative_length)
 

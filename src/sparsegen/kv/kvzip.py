@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.policy import KEEP, Policy, attention_received, register_policy
+from sparsegen.kv.policy import KEEP, Policy, attention_chunks, register_policy
 
 
 @register_policy
@@ -69,12 +69,29 @@ class KVzipPolicy(Policy):
         return step.scores.masked_fill(step.is_sink(), KEEP)
 
 
+def attention_and_peaks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+    """One attention call computed by hand, with what KVzip scores by: the output [b, q, hq, d] (as
+    transformers' attention functions return it) and the most attention any query of its group
+    paid each key, float32 [b, hkv, s]. One pass instead of the model's attention and a second
+    scoring pass over the same queries and keys."""
+    b, hq, q, d = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    out = torch.empty(b, hkv, hq // hkv, q, d, dtype=torch.float32, device=query.device)
+    peak = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
+    for start, stop, seen, probabilities in attention_chunks(query, keys, scaling):
+        torch.maximum(peak[..., :seen], probabilities.amax(dim=2), out=peak[..., :seen])
+        out[:, :, :, start:stop] = (probabilities @ values[..., :seen, :].float()).view(b, hkv, -1, stop - start, d)
+    return out.view(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous(), peak
+
+
 @torch.inference_mode()
 def reconstruct(model, record, rows: torch.Tensor, probes) -> list[torch.Tensor | None]:
     """Per layer of `record` (a `full` cache of `kv.shared` that has just read `rows` [b, n]): the
     most attention each context token received, over its group's queries, while the model re-read
-    its chunk after the context ([b, h, n] float32; None for a layer without a policy). `record`
-    holds the context alone again afterwards, its recorded calls those of the context."""
+    its chunk after the context ([b, h, n] float32; None for a layer without a policy). Each
+    recording layer computes its re-reading's attention itself (`probing`), leaving the peaks in
+    its `peak`. `record` holds the context alone again afterwards, its recorded calls those of the
+    context."""
     from sparsegen.kv.attention import policy_attention
     from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
 
@@ -85,18 +102,19 @@ def reconstruct(model, record, rows: torch.Tensor, probes) -> list[torch.Tensor 
     peaks = [
         None if call is None else call.keys.new_zeros(b, call.keys.shape[1], n, dtype=torch.float32) for call in calls
     ]
-    with policy_attention(model):
-        for first, start, stop in probes:
-            model(input_ids=rows[:, first:stop], cache=record, use_cache=True, logits_to_keep=1)
-            for layer, peak in zip(layers, peaks, strict=True):
-                if peak is not None:
-                    call = layer.recorded
-                    peak[..., start:stop] = attention_received(call.query, call.keys, call.scaling, peak=True)[
-                        ..., start:stop
-                    ]
-            for layer, state in zip(layers, saved, strict=True):
-                _load_layer_state(layer, state)
-    for layer, call in zip(layers, calls, strict=True):
-        if call is not None:
-            layer.recorded = call
+    probing = [layer for layer, call in zip(layers, calls, strict=True) if call is not None]
+    try:
+        for layer in probing:
+            layer.probing = True
+        with policy_attention(model):
+            for first, start, stop in probes:
+                model(input_ids=rows[:, first:stop], cache=record, use_cache=True, logits_to_keep=1)
+                for layer, peak in zip(layers, peaks, strict=True):
+                    if peak is not None:
+                        peak[..., start:stop] = layer.peak[..., start:stop]
+                for layer, state in zip(layers, saved, strict=True):
+                    _load_layer_state(layer, state)
+    finally:
+        for layer, call in zip(probing, (call for call in calls if call is not None), strict=True):
+            layer.probing, layer.peak, layer.recorded = False, None, call
     return peaks

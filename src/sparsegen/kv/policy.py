@@ -95,37 +95,44 @@ class Step:
         return self.positions >= self.seen - self.sizes.recent
 
 
-def attention_received(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 20, peak: bool = False
-):
-    """Attention probability each key received, summed over new queries and each GQA group (with
-    `peak`, the largest any of them gave it).
+def attention_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 20):
+    """The attention probabilities of new queries, a few queries at a time: yields (start, stop,
+    seen, probabilities [b, hkv, group * (stop - start), seen] float32, rows group-major).
 
     query [b, hq, q, d] are the newest q tokens, key [b, hkv, s, d] the held keys followed by
-    those q; causal among the new ones. Returns float32 [b, hkv, s]. Queries go in chunks so a
-    long prefill never materialises the whole q x s matrix, each chunk against only the keys its
-    queries see (half the work of a prefill); keys are never copied. Chunks of about a million
-    scores stay in the CPU's cache through softmax and sum (2.2x faster than 16 M at 2k x 6k); the
-    scaling goes on the queries and the causal mask only on the chunk's own keys (0.32 -> 0.20 s
-    for 1.8k queries over 5.6k keys, the same numbers where the scaling is a power of two).
+    those q; causal among the new ones. Queries go in chunks so a long prefill never materialises
+    the whole q x s matrix, each chunk against only the keys its queries see (half the work of a
+    prefill); keys are never copied. Chunks of about a million scores stay in the CPU's cache
+    through softmax and what follows (2.2x faster than 16 M at 2k x 6k); the scaling goes on the
+    queries and the causal mask only on the chunk's own keys (0.32 -> 0.20 s for 1.8k queries over
+    5.6k keys, the same numbers where the scaling is a power of two).
     """
     b, hq, q, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     group = hq // hkv
     grouped = query.view(b, hkv, group, q, d)
     keys_t = key.transpose(-1, -2)
-    total = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
     step = max(1, max_elements // max(1, b * hq * s))
     held = s - q
     for start in range(0, q, step):
         stop = min(q, start + step)
         seen = held + stop  # keys visible to this chunk's last query
         rows = grouped[:, :, :, start:stop].reshape(b, hkv, group * (stop - start), d)
-        logits = ((rows * scaling) @ keys_t[..., :seen]).float()  # [b, hkv, group * n, seen], rows group-major
+        logits = ((rows * scaling) @ keys_t[..., :seen]).float()
         if stop - start > 1:  # causal among the chunk's own keys only: every query sees the keys before them
             new = torch.arange(start, stop, device=query.device)
             logits[..., held + start :].masked_fill_(new > new.repeat(group)[:, None], float("-inf"))
-        probabilities = logits.softmax(-1)
+        yield start, stop, seen, logits.softmax(-1)
+
+
+def attention_received(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, max_elements: int = 1 << 20, peak: bool = False
+):
+    """Attention probability each key received, summed over new queries and each GQA group (with
+    `peak`, the largest any of them gave it): float32 [b, hkv, s] (shapes as `attention_chunks`)."""
+    b, hkv, s = key.shape[:3]
+    total = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
+    for _, _, seen, probabilities in attention_chunks(query, key, scaling, max_elements):
         if peak:
             torch.maximum(total[..., :seen], probabilities.amax(dim=2), out=total[..., :seen])
         else:

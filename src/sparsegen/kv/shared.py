@@ -18,7 +18,7 @@ import torch
 
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.kvzip import reconstruct
+from sparsegen.kv.kvzip import attention_and_peaks, reconstruct
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
 from sparsegen.kv.stream import read
@@ -40,6 +40,16 @@ class RecordingLayer(PolicyLayer):
     """A policy layer that keeps what its last attention call handed it (under `full`, everything)."""
 
     recorded: Recorded | None = None
+    probing: bool = False
+    """While KVzip re-reads the context (`kv.kvzip.reconstruct`): compute the attention here and
+    keep in `peak` the most attention each key received."""
+    peak: torch.Tensor | None = None
+
+    def own_attention(self, query, keys, values, scaling):
+        if not self.probing:
+            return super().own_attention(query, keys, values, scaling)
+        out, self.peak = attention_and_peaks(query, keys, values, scaling)
+        return out
 
     def after_attention(self, query, keys, scaling, weights=None, received=None, values=None) -> None:
         self.recorded = Recorded(query, keys, self.values[:, :, : self.size], scaling, weights)
