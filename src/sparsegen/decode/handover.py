@@ -16,9 +16,16 @@ from sparsegen.decode.state import DEAD, RING, LayerState
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.kernels import kernels_available
-from sparsegen.kv.policy import PARTS, Sizes
+from sparsegen.kv.policy import PARTS, Policy, Sizes
 from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer
 from sparsegen.kv.window import WindowPolicy
+
+
+def reads_shared_context(policy: Policy, rolled: bool, quantized: bool) -> bool:
+    """Whether a row of `policy` can read a shared context's keys in place of a copy: they must be
+    in full precision, and at their original positions or (`rolled`) moved all together, as a
+    contiguous policy's are (only its sinks move, `decode.context`)."""
+    return not quantized and (not rolled or policy.contiguous)
 
 
 def stack_layer(
@@ -32,7 +39,8 @@ def stack_layer(
     once per step instead of held per row, where every part holds full-precision keys at their
     original positions (an evicting row then evicts context tokens by mask, `decode.context`)."""
     shares = context is not None and all(
-        part.codec is None and (part.rotation is None or part.policy.contiguous) for part in parts
+        reads_shared_context(part.policy, rolled=part.rotation is not None, quantized=part.codec is not None)
+        for part in parts
     )
     if not shares:
         return stack(parts, capacity_for(parts, max_new_tokens), kv_dtype)

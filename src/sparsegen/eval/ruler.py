@@ -96,6 +96,7 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
     ratios as rows). Held in `kv_bits`, the cells that keep each new token share one batch
     (decoding consults no policy), each evicting policy its own. Separate runs
     (`separate_prefill`) decode every cell alone, as a run per cell would."""
+    from sparsegen.decode.handover import reads_shared_context
     from sparsegen.kv import make_policy
 
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -104,7 +105,9 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
         extra = {"heads": settings.duo_heads} if name == "duo_attention" and settings.duo_heads else {}
         policy = make_policy(name, budget=budget, **extra)
         keeps_new = name == "full" or type(policy).prefill_only
-        reads_context = settings.kv_bits is None and (policy.default_position == "original" or policy.contiguous)
+        reads_context = reads_shared_context(
+            policy, rolled=policy.default_position != "original", quantized=settings.kv_bits is not None
+        )
         key = "keeps every new token" if keeps_new else name
         key = (name, ratio) if settings.separate_prefill else "reads the context" if reads_context else key
         groups[key].append({"name": name, "ratio": ratio, "budget": budget, "policy": policy})
