@@ -5,23 +5,20 @@ section). Run it on a quiet machine.
     python scripts/kvzip_reread_time.py results/ruler-4k-now/samples/niah_multivalue-4096.json
 """
 
-import json
 import sys
 import time
 from pathlib import Path
 
-from sparsegen.eval.ruler_data import RulerSample
+from ruler_sample import load_sample
+
 from sparsegen.kv import kvzip, make_policy
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.shared import SharedPrefill
-from sparsegen.loading import load
 
 
 def main(samples: Path) -> None:
     print("code:", kvzip.__file__)
-    model, tokenizer = load("smollm2-135m")
-    sample = RulerSample(**json.loads(samples.read_text())["samples"][0])
-    context = tokenizer(sample.context, add_special_tokens=False)["input_ids"]
+    model, _, context, _ = load_sample(samples)
     with policy_attention(model):
         shared = SharedPrefill(model, context)
         probes = tuple(make_policy("kvzip", budget=0.5).resolved(len(context)).probes(len(context)))

@@ -5,24 +5,20 @@ rotated inside the C++ product (`rolled_scores`) and rotated in torch, alternati
     python scripts/rolled_scores_ab.py results/ruler-4k-now/samples/niah_multivalue-4096.json
 """
 
-import json
 import sys
 import time
 from pathlib import Path
 
+from ruler_sample import load_sample
+
 from sparsegen.decode import Decoder
-from sparsegen.eval.ruler_data import RulerSample
 from sparsegen.kv import make_policy
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.shared import SharedPrefill
-from sparsegen.loading import load
 
 
 def main(samples: Path) -> None:
-    model, tokenizer = load("smollm2-135m")
-    sample = RulerSample(**json.loads(samples.read_text())["samples"][0])
-    context = tokenizer(sample.context, add_special_tokens=False)["input_ids"]
-    question = tokenizer(sample.question, add_special_tokens=False)["input_ids"]
+    model, _, context, question = load_sample(samples)
     with policy_attention(model):
         shared = SharedPrefill(model, context)
         policies = [make_policy("streaming_h2o", budget=int(len(context) * (1 - r))) for r in (0.25, 0.5, 0.75, 0.875)]

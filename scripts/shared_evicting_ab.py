@@ -5,24 +5,20 @@
     python scripts/shared_evicting_ab.py results/ruler-4k-now/samples/niah_multivalue-4096.json h2o tova window
 """
 
-import json
 import sys
 from pathlib import Path
 
+from ruler_sample import load_sample
+
 from sparsegen.decode import generate
 from sparsegen.eval.ruler import DEFAULT_RATIOS, kept_tokens
-from sparsegen.eval.ruler_data import RulerSample
 from sparsegen.kv import make_policy
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.shared import SharedPrefill
-from sparsegen.loading import load
 
 
 def main(samples: Path, names: list[str]) -> None:
-    model, tokenizer = load("smollm2-135m")
-    sample = RulerSample(**json.loads(samples.read_text())["samples"][0])
-    context = tokenizer(sample.context, add_special_tokens=False)["input_ids"]
-    question = tokenizer(sample.question, add_special_tokens=False)["input_ids"]
+    model, _, context, question = load_sample(samples)
     with policy_attention(model):
         shared = SharedPrefill(model, context)
         for name in names:
