@@ -102,9 +102,9 @@ def reconstruct(model, record, rows: torch.Tensor, probes) -> list[torch.Tensor 
     peaks = [
         None if call is None else call.keys.new_zeros(b, call.keys.shape[1], n, dtype=torch.float32) for call in calls
     ]
-    probing = [layer for layer, call in zip(layers, calls, strict=True) if call is not None]
+    probing = [(layer, call) for layer, call in zip(layers, calls, strict=True) if call is not None]
     try:
-        for layer in probing:
+        for layer, _ in probing:
             layer.probing = True
         with policy_attention(model):
             for first, start, stop in probes:
@@ -115,6 +115,6 @@ def reconstruct(model, record, rows: torch.Tensor, probes) -> list[torch.Tensor 
                 for layer, state in zip(layers, saved, strict=True):
                     _load_layer_state(layer, state)
     finally:
-        for layer, call in zip(probing, (call for call in calls if call is not None), strict=True):
+        for layer, call in probing:
             layer.probing, layer.peak, layer.recorded = False, None, call
     return peaks
