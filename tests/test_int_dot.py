@@ -111,10 +111,11 @@ def test_a_checkpoint_loaded_with_integer_dot_products_decodes_like_its_weight_o
 def test_build_all_builds_every_kernel_source_of_the_package(monkeypatch):
     """What `make install` runs: every C++ source the package loads, each once."""
     from sparsegen import native
+    from sparsegen.few_rows import FLOAT_ROWS_SOURCE
     from sparsegen.kv.kernels import SOURCE as KV_SOURCE
     from sparsegen.quant.int_dot import SOURCE as INT_DOT_SOURCE
 
     built = []
     monkeypatch.setattr(native, "build", lambda source, what: built.append(source.resolve()))
     native.build_all()
-    assert sorted(built) == sorted({KV_SOURCE.resolve(), INT_DOT_SOURCE.resolve()})
+    assert sorted(built) == sorted({KV_SOURCE.resolve(), INT_DOT_SOURCE.resolve(), FLOAT_ROWS_SOURCE.resolve()})

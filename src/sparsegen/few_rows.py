@@ -3,23 +3,42 @@ the memory bound: what the decode step, the sparse MLPs and TEAL's projections s
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
+from sparsegen.native import build
+
 GEMV_ROWS = 4
 WEIGHT_MAJOR_ROWS = 64
+FLOAT_ROWS_MAX = 16
+"""Rows up to which an eager step's fp32 products use `float_rows_linear` (beyond, MKL catches up)."""
+FLOAT_ROWS_SOURCE = Path(__file__).parent / "decode" / "kernels" / "float_rows.cpp"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@functools.cache
+def float_rows_op() -> Callable | None:
+    """`sparsegen::float_rows_linear` (x [rows, in] fp32 times the weight [out, in], the weight read
+    once for every row: `decode/kernels/float_rows.cpp`), or None where the kernel cannot be built
+    (said once on stderr; the products stay torch's)."""
+    if build(FLOAT_ROWS_SOURCE, "the few-row fp32 kernel") is None:
+        return None
+    return torch.ops.sparsegen.float_rows_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, op: Callable | None = None):
     """`F.linear` for the decode step's few rows, where the library's own choice is far from the
     bound. On a GPU that is `F.linear` itself (cuBLAS streams near the bound). On a CPU, inside a
     compiled graph up to `GEMV_ROWS` rows become one multiply-and-sum over the
     weight rows (inductor emits a streaming reduction near the memory bus's speed: 2x the batch-1
-    `mm` kernel on this CPU). Eagerly, up to `WEIGHT_MAJOR_ROWS` rows are multiplied weight first,
-    `weight @ x.T` (MKL on the AMD host: 3.6x faster for the 49k-row head at 8 rows, 1.2-2.5x for
-    the layers; docs/benchmarks.md). Prefill's many rows are untouched."""
+    `mm` kernel on this CPU). Eagerly, fp32 products of up to `FLOAT_ROWS_MAX` rows go to `op`
+    (`float_rows_op()`, where the caller passes it), and up to `WEIGHT_MAJOR_ROWS` rows are
+    multiplied weight first, `weight @ x.T` (MKL on the AMD host: 3.6x faster for the 49k-row head
+    at 8 rows, 1.2-2.5x for the layers; docs/benchmarks.md). Prefill's many rows are untouched."""
     if not x.is_cpu:
         return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
@@ -30,7 +49,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return (out if bias is None else out + bias).to(x.dtype)
     if rows > WEIGHT_MAJOR_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
+    if op is not None and rows <= FLOAT_ROWS_MAX and x.dtype == weight.dtype == torch.float32:
+        return _op_product(op, x, weight, bias, rows)
     return _weight_major(x, weight, bias, rows)
+
+
+def _op_product(op: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows) -> torch.Tensor:
+    out = op(x.reshape(rows, x.shape[-1]).contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
 
 
 def _weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows) -> torch.Tensor:
@@ -38,26 +64,35 @@ def _weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out + bias
 
 
-def _gemv_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias)
+def _forward_for(op: Callable | None, rows_vary: bool) -> Callable:
+    """The patched `forward` of a Linear layer; `op` is bound here, before any tracing, so a
+    compiled graph holds the kernel as one opaque call."""
 
+    def few_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, op)
 
-def _any_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    # `rows == 1` is decided without a guard: a free row count starts at 2 (one row is its own
-    # graph); outside the graph (a prompt read between steps) `linear` picks by the row count
-    if rows == 1 or not torch.compiler.is_compiling():
-        return linear(x, self.weight, self.bias)
-    return _weight_major(x, self.weight, self.bias, rows)
+    def any_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        # `rows == 1` is decided without a guard: a free row count starts at 2 (one row is its own
+        # graph); outside the graph (a prompt read between steps) `linear` picks by the row count
+        if rows == 1 or not torch.compiler.is_compiling():
+            return linear(x, self.weight, self.bias, op)
+        if op is not None and x.dtype == self.weight.dtype == torch.float32:
+            return _op_product(op, x, self.weight, self.bias, rows)
+        return _weight_major(x, self.weight, self.bias, rows)
+
+    return any_rows if rows_vary else few_rows
 
 
 def use_gemv(model: torch.nn.Module, rows_vary: bool = False) -> list[torch.nn.Linear]:
     """Give every `nn.Linear` of `model` the decode step's few-row product (`linear`) until
     `restore_linears` gets the returned list: the compiled step's graph is traced through it.
-    With `rows_vary` (one graph for every row count above one) those products are weight first, as
-    `linear`'s eager form, which asks nothing of the row count. The values are `F.linear`'s."""
-    forward = _any_rows_forward if rows_vary else _gemv_forward
+    With `rows_vary` (one graph for every row count above one) those products are the fp32 kernel
+    (`float_rows_op`) or weight first, which ask nothing of the row count. The values are
+    `F.linear`'s (up to the order of the sums)."""
     patched = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
+    on_cpu_fp32 = any(m.weight.is_cpu and m.weight.dtype == torch.float32 for m in patched)
+    forward = _forward_for(float_rows_op() if on_cpu_fp32 else None, rows_vary)
     for module in patched:
         module.forward = types.MethodType(forward, module)
     return patched
