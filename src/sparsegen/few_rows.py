@@ -49,18 +49,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return (out if bias is None else out + bias).to(x.dtype)
     if rows > WEIGHT_MAJOR_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
-    if op is not None and rows <= FLOAT_ROWS_MAX and x.dtype == weight.dtype == torch.float32:
-        return _op_product(op, x, weight, bias, rows)
-    return _weight_major(x, weight, bias, rows)
+    return _row_product(x, weight, bias, rows, op if rows <= FLOAT_ROWS_MAX else None)
 
 
-def _op_product(op: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows) -> torch.Tensor:
-    out = op(x.reshape(rows, x.shape[-1]).contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
-
-
-def _weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows) -> torch.Tensor:
-    out = (weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
+def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, op: Callable | None):
+    """The fp32 kernel `op` where given and the tensors are fp32, else weight first (`weight @ x.T`);
+    neither asks anything of the row count."""
+    flat = x.reshape(rows, x.shape[-1])
+    if op is not None and x.dtype == weight.dtype == torch.float32:
+        out = op(flat.contiguous(), weight)
+    else:
+        out = (weight @ flat.T).T
+    out = out.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
@@ -77,9 +77,7 @@ def _forward_for(op: Callable | None, rows_vary: bool) -> Callable:
         # graph); outside the graph (a prompt read between steps) `linear` picks by the row count
         if rows == 1 or not torch.compiler.is_compiling():
             return linear(x, self.weight, self.bias, op)
-        if op is not None and x.dtype == self.weight.dtype == torch.float32:
-            return _op_product(op, x, self.weight, self.bias, rows)
-        return _weight_major(x, self.weight, self.bias, rows)
+        return _row_product(x, self.weight, self.bias, rows, op)
 
     return any_rows if rows_vary else few_rows
 
