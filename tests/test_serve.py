@@ -364,9 +364,14 @@ def test_sampling_defaults_come_from_the_generation_config():
 
 
 @pytest.mark.parametrize("spec", ["h2o:0.5", "h2o:0.5@4"])
-def test_bench_load_sees_every_answer_equal_to_its_single_request_run(spec):
-    """`sparsegen bench serve`'s load generator: concurrent streamed clients, answers checked."""
+def test_bench_load_sees_every_answer_equal_to_its_single_request_run(spec, monkeypatch):
+    """`sparsegen bench serve`'s load generator: concurrent streamed clients, answers checked; its
+    health polls go through one client (a new one per poll cost the measured server a quarter core)."""
+    import sparsegen.bench.serve as bench_serve
     from sparsegen.bench.serve import ServeConfig, run_load, single_request_answers
+
+    one_off_gets = []
+    monkeypatch.setattr(bench_serve.httpx, "get", lambda *a, **k: one_off_gets.append(a))
 
     loaded = _loaded()
     prompts = [[5 + i for i in range(length)] for length in (3, 17, 40)]
@@ -379,6 +384,7 @@ def test_bench_load_sees_every_answer_equal_to_its_single_request_run(spec):
     assert len(point["answers"]) == 6
     assert all(text == references[which] for which, text in point["answers"])
     assert point["tokens_per_s"] > 0 and point["most_active"] >= 1 and point["refused"] == 0
+    assert one_off_gets == []
 
 
 def test_soak_requests_get_their_answers_and_leave_no_row():
