@@ -64,9 +64,10 @@ void tile(const float* x, const float* w, int64_t in, int64_t out_features, int6
 #pragma GCC unroll 8
     for (int i = 0; i < kO; ++i) {
       wv[i] = load(w + (o0 + i) * in + j);
-      // the next tile's rows, on the first input tile only (past the weight's end on the last
-      // tile: a prefetch is a hint and never faults)
-      if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (o0 + kO + i) * in + j), _MM_HINT_T0);
+      // the next tile's rows, on the first input tile only, into L2 (into L1 they came 15-20%
+      // slower here: docs/benchmarks.md); past the weight's end on the last tile: a prefetch is a
+      // hint and never faults
+      if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (o0 + kO + i) * in + j), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int k = 0; k < kR; ++k) {
