@@ -29,8 +29,8 @@ def test_the_kernel_refuses_what_it_cannot_read():
 
 @pytest.mark.parametrize("rows", [1, 3, FLOAT_ROWS_MAX, FLOAT_ROWS_MAX + 1, 70])
 def test_linear_with_and_without_the_kernel_equals_f_linear(rows):
-    """Eagerly: the kernel up to FLOAT_ROWS_MAX rows, weight first up to 64, F.linear beyond;
-    a bias added and the leading shape kept either way."""
+    """Eagerly: the kernel (or weight first) up to FLOAT_ROWS_MAX rows, `prompt_linear` (oneDNN)
+    beyond; a bias added and the leading shape kept either way."""
     x, weight, bias = torch.randn(1, rows, 48), torch.randn(24, 48), torch.randn(24)
     expected = torch.nn.functional.linear(x, weight, bias)
     for op in (float_rows_op(), None):

@@ -363,49 +363,6 @@ def test_sampling_defaults_come_from_the_generation_config():
     assert sampling_defaults(model) == {"temperature": 0.3, "top_p": 0.9}
 
 
-@pytest.mark.parametrize("spec", ["h2o:0.5", "h2o:0.5@4"])
-def test_bench_load_sees_every_answer_equal_to_its_single_request_run(spec, monkeypatch):
-    """`sparsegen bench serve`'s load generator: concurrent streamed clients, answers checked; its
-    health polls go through one client (a new one per poll cost the measured server a quarter core)."""
-    import sparsegen.bench.serve as bench_serve
-    from sparsegen.bench.serve import ServeConfig, run_load, single_request_answers
-
-    one_off_gets = []
-    monkeypatch.setattr(bench_serve.httpx, "get", lambda *a, **k: one_off_gets.append(a))
-
-    loaded = _loaded()
-    prompts = [[5 + i for i in range(length)] for length in (3, 17, 40)]
-    config = ServeConfig.parse(spec)
-    assert config.kv_bits == (4 if spec.endswith("@4") else None)
-    budget = {"budget": config.budget}
-    with live_server(loaded, config.policy, budget, prefill_chunk=8, kv_bits=config.kv_bits) as (url, _):
-        point = run_load(url, "tiny", prompts, clients=3, requests=2, max_tokens=6)
-    references = single_request_answers(*loaded, config, prompts, 6, chunk=8)
-    assert len(point["answers"]) == 6
-    assert all(text == references[which] for which, text in point["answers"])
-    assert point["tokens_per_s"] > 0 and point["most_active"] >= 1 and point["refused"] == 0
-    assert one_off_gets == []
-
-
-def test_soak_requests_get_their_answers_and_leave_no_row():
-    from sparsegen.bench.soak import SOAK_KINDS, soak_request
-
-    loaded = _loaded()
-    with live_server(loaded, "streaming", LARGE) as (url, _), httpx.Client() as client:
-        outcomes = [soak_request(client, url, "tiny", i, [5, 6, 7, 8], 8) for i in range(len(SOAK_KINDS) * 2)]
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health").json()["active"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        health = httpx.get(f"{url}/health").json()
-    by_kind = {o["kind"]: o for o in outcomes}
-    assert by_kind["bad field"]["status"] == 400 and by_kind["too long"]["status"] == 400
-    assert by_kind["bad seed"]["status"] == 400 and by_kind["not utf-8"]["status"] == 400
-    assert by_kind["not utf-8"]["error"] and by_kind["abandoned prompt"]["status"] == 200
-    assert by_kind["chat"]["status"] == 200 and by_kind["cancel"]["status"] == 200
-    assert all(o["tokens"] >= 1 for o in outcomes if o["kind"] == "greedy")
-    assert health["active"] == 0 and health["queued"] == 0
-
-
 def test_requests_in_different_kv_bits_batch_apart_and_each_equals_its_single_run():
     from sparsegen.decode import generate
 

@@ -14,9 +14,8 @@ import torch
 from sparsegen.native import build
 
 GEMV_ROWS = 4
-WEIGHT_MAJOR_ROWS = 64
 FLOAT_ROWS_MAX = 16
-"""Rows up to which an eager step's fp32 products use `float_rows_linear` (beyond, MKL catches up)."""
+"""Rows up to which eager fp32 products use `float_rows_linear` (beyond, `prompt_linear`)."""
 FLOAT_ROWS_SOURCE = Path(__file__).parent / "decode" / "kernels" / "float_rows.cpp"
 
 
@@ -36,9 +35,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     compiled graph up to `GEMV_ROWS` rows become one multiply-and-sum over the
     weight rows (inductor emits a streaming reduction near the memory bus's speed: 2x the batch-1
     `mm` kernel on this CPU). Eagerly, fp32 products of up to `FLOAT_ROWS_MAX` rows go to `op`
-    (`float_rows_op()`, where the caller passes it), and up to `WEIGHT_MAJOR_ROWS` rows are
-    multiplied weight first, `weight @ x.T` (MKL on the AMD host: 3.6x faster for the 49k-row head
-    at 8 rows, 1.2-2.5x for the layers; docs/benchmarks.md). Prefill's many rows are untouched."""
+    (`float_rows_op()`, where the caller passes it; weight first, `weight @ x.T`, without it: MKL
+    streams the weight faster that way round), more rows (a prompt read between steps) to
+    `prompt_linear` (docs/benchmarks.md)."""
     if not x.is_cpu:
         return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
@@ -47,9 +46,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.nn.functional.linear(x, weight, bias)
         out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
         return (out if bias is None else out + bias).to(x.dtype)
-    if rows > WEIGHT_MAJOR_ROWS:
-        return torch.nn.functional.linear(x, weight, bias)
-    return _row_product(x, weight, bias, rows, op if rows <= FLOAT_ROWS_MAX else None)
+    if rows > FLOAT_ROWS_MAX:
+        return prompt_linear(x, weight, bias)
+    return _row_product(x, weight, bias, rows, op)
+
+
+def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A prompt read's fp32 product on a CPU through oneDNN (mkldnn), where torch has it: with
+    weights read cold from memory, 20-27% faster than `F.linear`'s MKL at 128-256 rows on the AMD
+    host, and a whole prompt read through the model 17% faster (docs/benchmarks.md); `F.linear`
+    elsewhere."""
+    if x.is_cpu and x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, op: Callable | None):

@@ -10,6 +10,8 @@ budget. Leaving the block undoes both; nothing is switched or registered at impo
 
 The fast decode path (`sparsegen.decode`) calls the model with a `static_kv` keyword instead of a
 cache: the same function then writes, attends and evicts in that state's fixed-shape buffers.
+A packed read of several prompts (`kv.stream.read_packed`) passes `packed` instead: the function
+then runs once per prompt's span, each with that prompt's own cache, as a read of it alone would.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -66,9 +69,47 @@ def _refuse_padding(mask: torch.Tensor | None) -> None:
         )
 
 
+@dataclass
+class PackedPrompts:
+    """Prompts packed end to end in one forward: prompt i spans `bounds[i]` of the sequence and is
+    read into `caches[i]`, a fresh policy cache of its own."""
+
+    caches: list
+    bounds: list[tuple[int, int]]
+
+
+def _attend_packed(attention, base, module, query, key, value, packed: PackedPrompts, scaling, kwargs):
+    """Each prompt's span attends to itself only: written to its own cache, then attended and
+    scored by `attention` exactly as a read of that prompt alone (causal within the span)."""
+    outs = []
+    for cache, (start, end) in zip(packed.caches, packed.bounds, strict=True):
+        keys, values = cache.update(key[:, :, start:end], value[:, :, start:end], module.layer_idx)
+        mask = None  # sdpa: causal by itself when queries and keys are the same span
+        if base is eager_attention_forward:
+            mask = torch.full((end - start, end - start), torch.finfo(query.dtype).min, device=query.device)
+            mask = mask.triu(1)[None, None].to(query.dtype)
+        layer = policy_layer_of(cache, module.layer_idx)
+        out, _ = attention(module, query[:, :, start:end], keys, values, mask, scaling, policy_layer=layer, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1)  # [batch, tokens, heads, head_dim], as transformers' functions return
+
+
 def _make_attention(base):
-    def attention(module, query, key, value, attention_mask, scaling=None, static_kv=None, policy_layer=None, **kwargs):
+    def attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=None,
+        static_kv=None,
+        policy_layer=None,
+        packed=None,
+        **kwargs,
+    ):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if packed is not None:
+            return _attend_packed(attention, base, module, query, key, value, packed, scaling, kwargs), None
         if static_kv is not None:
             state = static_kv.layers[module.layer_idx]
             state.write(key, value, static_kv.seen - 1)

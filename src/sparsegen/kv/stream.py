@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.attention import PackedPrompts, policy_attention
+from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
@@ -94,6 +95,41 @@ def _read(model, ids, cache: PolicyCache, chunk: int | None, all_logits: bool) -
         return None
     out = torch.cat(kept, 1) if all_logits else kept[-1]
     return out if isinstance(ids, torch.Tensor) else out[0]
+
+
+@torch.inference_mode()
+def read_packed(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    caches: list[PolicyCache],
+    stop: Callable[[], bool] | None = None,
+) -> torch.Tensor:
+    """Read each prompt into its own fresh cache in one forward of the prompts packed end to end,
+    so the weights are read once for all of them (the server's waiting prompts); every prompt
+    attends only to itself, as `read` alone would read it. Returns each prompt's last logits
+    [prompts, vocab]. Every cache must be `packable`; `stop` as for `read`."""
+    if not prompts or len(prompts) != len(caches) or not all(prompts):
+        raise SparsegenError("read_packed needs one non-empty prompt per cache")
+    if not all(packable(cache) for cache in caches):
+        raise SparsegenError("read_packed reads only into fresh caches of plain policy layers: use read() for the rest")
+    device = next(model.parameters()).device
+    ids = torch.tensor([[token for prompt in prompts for token in prompt]], device=device)
+    positions = torch.cat([torch.arange(len(prompt), device=device) for prompt in prompts])[None]
+    ends = torch.tensor([len(prompt) for prompt in prompts]).cumsum(0)
+    bounds = [(int(end) - len(prompt), int(end)) for prompt, end in zip(prompts, ends, strict=True)]
+    packed = PackedPrompts(caches, bounds)
+    with stoppable(model, stop), policy_attention(model):
+        out = model(
+            input_ids=ids, position_ids=positions, use_cache=False, packed=packed, logits_to_keep=(ends - 1).to(device)
+        )
+    return out.logits[0].float()
+
+
+def packable(cache: PolicyCache) -> bool:
+    """Whether a prompt can be read into `cache` packed with others: nothing held yet, every layer
+    a policy layer (no model's own sliding window), and no policy that re-reads the prompt."""
+    plain = all(isinstance(layer, PolicyLayer) for layer in cache.layers)
+    return plain and cache.get_seq_length() == 0 and not cache.policy.reconstructs
 
 
 def reads_whole(cache: PolicyCache) -> bool:

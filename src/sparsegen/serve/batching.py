@@ -24,7 +24,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -36,68 +35,14 @@ from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.quantized import checked_bits
-from sparsegen.kv.stream import Abandoned, read, reads_whole
+from sparsegen.kv.stream import Abandoned, packable, read, read_packed, reads_whole
 from sparsegen.models import kv_row_bytes
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
 from sparsegen.serve.conversations import Conversation, ConversationStore
-from sparsegen.serve.events import Done, Event, Failed, PromptLogprobs, Token, prompt_entries, token_entry
+from sparsegen.serve.events import Done, Failed, PromptLogprobs, prompt_entries, token_entry
+from sparsegen.serve.jobs import Job, Lane
 from sparsegen.serve.metrics import Metrics
-
-
-@dataclass(eq=False)  # a request is itself: compared by identity
-class Job:
-    """One request: what to read, how to decode, and where the worker sends what it makes.
-
-    `emit(event)` is called from the worker thread with the request's events (`serve.events`).
-    `text` is the rendered prompt of a chat (for conversation reuse); completions leave it None
-    and always start a fresh cache. `kv_policy` is the request's KV policy (the engine's default
-    when None), `kv_bits` the bits its keys and values are held in (None: the decoder's dtype).
-    """
-
-    prompt_ids: list[int]
-    max_tokens: int
-    emit: Callable[[Event], None]
-    text: str | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    kv_policy: Policy | None = None
-    kv_bits: int | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    # worker state
-    kv_need: int = 0
-    rule: StopRule | None = None
-    cache: PolicyCache | None = None
-    to_read: list[int] = field(default_factory=list)
-    read_logits: list[torch.Tensor] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)
-    shown: str = ""
-    generator: torch.Generator | None = None
-    cached_tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    def take_token(self, token: int, entry: dict | None) -> str | None:
-        """Record one sampled token and send the text not sent yet that the stop rule lets show;
-        the finish reason once the answer is done."""
-        self.generated.append(token)
-        verdict = self.rule.judge(self.generated)
-        if len(verdict.text) > len(self.shown) or entry is not None:
-            self.emit(Token(verdict.text[len(self.shown) :], entry))
-            self.shown = max(verdict.text, self.shown, key=len)
-        return verdict.reason
-
-
-@dataclass
-class Lane:
-    """The rows decoding under one KV policy: one batch, one step for all of them."""
-
-    decoder: Decoder
-    jobs: list[Job] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # each row's next-token logits [rows, vocab]
 
 
 class Engine:
@@ -204,7 +149,7 @@ class Engine:
                     pass
                 self._admit()
                 if self.prefilling:
-                    self._guarded(self.prefilling[0], self._read_chunk)
+                    self._read_next()
                 for key, lane in list(self.lanes.items()):
                     self._decode(key, lane)
 
@@ -256,6 +201,44 @@ class Engine:
             raise SparsegenError("the request adds no tokens to its conversation")
 
     # -- prefill, one chunk per iteration -------------------------------------------------------
+    def _read_next(self) -> None:
+        """Read the first waiting prompt's next chunk; where it and others that wait are whole
+        fresh prompts that fit one chunk together, read them all in one packed forward (the
+        weights read once for all: a prompt read is mostly that at these sizes)."""
+        group = self._packable_group()
+        if len(group) < 2:
+            self._guarded(self.prefilling[0], self._read_chunk)
+            return
+
+        def all_gone() -> bool:
+            return all(job.cancelled.is_set() for job in group)
+
+        try:
+            with torch.inference_mode():
+                logits = read_packed(self.model, [job.to_read for job in group], [job.cache for job in group], all_gone)
+        except Exception as exc:  # noqa: BLE001 - the group's requests fail (or leave, when all cancelled), never the worker
+            for job in group:
+                self._drop(job)
+                if not isinstance(exc, Abandoned):
+                    job.emit(Failed(f"{type(exc).__name__}: {exc}"))
+            return
+        for job, row in zip(group, logits, strict=True):
+            job.to_read = []
+            self._guarded(job, partial(self._after_read, logits=row))
+
+    def _packable_group(self) -> list[Job]:
+        """The waiting jobs, first one first, whose whole prompts fit one `prefill_chunk` together
+        and read packed (`kv.stream.packable`, no prompt logprobs asked); empty when the first
+        cannot, so no prompt overtakes it."""
+        group, room = [], self.prefill_chunk
+        for job in self.prefilling:
+            if not job.echo and len(job.to_read) <= room and packable(job.cache) and not job.cancelled.is_set():
+                group.append(job)
+                room -= len(job.to_read)
+            elif not group:
+                return []
+        return group
+
     def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool, stop: Callable[[], bool]) -> torch.Tensor:
         """Read `ids` into `cache`; the logits of every id, or of the last one. `stop()` is asked
         before every decoder layer, so a cancelled prompt read whole is left within one layer."""
@@ -269,6 +252,10 @@ class Engine:
         except Abandoned:
             self._drop(job)
             return
+        self._after_read(job, logits)
+
+    def _after_read(self, job: Job, logits: torch.Tensor) -> None:
+        """A chunk of `job`'s prompt was read: once the whole prompt is, the job becomes a row of its lane."""
         job.read_logits.append(logits)
         if job.to_read:
             return

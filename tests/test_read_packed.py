@@ -1,0 +1,78 @@
+"""Prompts read packed in one forward (`kv.stream.read_packed`, the server's waiting prompts) equal
+each prompt read alone: the same last logits, the same tokens kept by the policy."""
+
+import threading
+
+import pytest
+import torch
+from conftest import build_tiny, tiny_tokenizer
+
+import sparsegen
+import sparsegen.serve.batching as batching
+from sparsegen.errors import SparsegenError
+from sparsegen.kv import make_cache
+from sparsegen.kv.stream import packable, read, read_packed
+from sparsegen.serve.events import Done, Failed, Token
+
+PROMPTS = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 17, 9, 1))]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "adakv", "tova"])
+def test_prompts_read_packed_equal_each_read_alone(arch, attn, policy):
+    model = build_tiny(arch, attn)
+    alone = [make_cache(model, policy, budget=6) for _ in PROMPTS]
+    expected = torch.stack([read(model, ids, cache) for ids, cache in zip(PROMPTS, alone, strict=True)])
+    packed = [make_cache(model, policy, budget=6) for _ in PROMPTS]
+    torch.testing.assert_close(read_packed(model, PROMPTS, packed), expected, rtol=1e-5, atol=1e-5)
+    for one, other in zip(alone, packed, strict=True):
+        assert one.physical_length() == other.physical_length()
+        for a, b in zip(one.layers, other.layers, strict=True):
+            assert torch.equal(a.positions, b.positions)  # the policy kept the same tokens
+            torch.testing.assert_close(a.keys[:, :, : a.size], b.keys[:, :, : b.size], rtol=1e-5, atol=1e-5)
+
+
+def test_a_held_cache_or_a_model_s_own_sliding_layers_are_refused():
+    gemma = build_tiny("gemma3")
+    assert not packable(make_cache(gemma, "full"))
+    model = build_tiny("llama")
+    held = make_cache(model, "full")
+    read(model, [5, 6], held)
+    assert not packable(held) and not packable(make_cache(model, "kvzip", budget=4))
+    with pytest.raises(SparsegenError, match="fresh caches"):
+        read_packed(model, [[7, 8]], [held])
+    with pytest.raises(SparsegenError, match="one non-empty prompt per cache"):
+        read_packed(model, [[7], []], [make_cache(model, "full"), make_cache(model, "full")])
+
+
+def test_the_engine_reads_waiting_prompts_packed_and_answers_as_alone(monkeypatch):
+    """Prompts submitted together are read in one packed forward; each answer equals its single run."""
+    model, calls = build_tiny("llama"), []
+    original = batching.read_packed
+    monkeypatch.setattr(batching, "read_packed", lambda *a: calls.append(len(a[1])) or original(*a))
+    budget = {"heavy": 3, "recent": 3}
+    engine = batching.Engine(model, tiny_tokenizer(), policy="h2o", budget=budget, prefill_chunk=64)
+    answers: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    ended = threading.Semaphore(0)
+
+    def collect(index: int, event) -> None:
+        if isinstance(event, Token):
+            answers[index].append(event.text)
+        if isinstance(event, (Done, Failed)):
+            assert not isinstance(event, Failed), event
+            ended.release()
+
+    try:
+        jobs = [batching.Job(ids, 5, lambda e, i=i: collect(i, e)) for i, ids in enumerate(PROMPTS)]
+        for job in jobs:
+            engine.submit(job)
+        for _ in jobs:
+            assert ended.acquire(timeout=60)
+    finally:
+        engine.close()
+    assert calls and max(calls) >= 2  # at least two prompts shared a forward
+    tokenizer = tiny_tokenizer()
+    for index, ids in enumerate(PROMPTS):
+        made = sparsegen.generate(model, [ids], 5, "h2o", compile="never", **budget)
+        assert "".join(answers[index]) == tokenizer.decode(made.tokens[0], skip_special_tokens=True)
