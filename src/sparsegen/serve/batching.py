@@ -2,7 +2,8 @@
 
 Every request is a `Job`. The worker thread admits jobs while their KV fits `max_kv_bytes`
 (`serve.admission`: the rest wait in a bounded queue), reads each admitted prompt into a policy
-cache one chunk per iteration, and then makes it a row of a `Lane`: the rows that share a KV
+cache one chunk per iteration (new prompts that wait together and fit one chunk in one packed
+forward: `kv.stream.read_packed`), and then makes it a row of a `Lane`: the rows that share a KV
 policy, decoded together by one `Decoder`, one step for all of them per iteration. Rows join after
 their prefill and leave when done (stop token, stop string, `max_tokens`, a client gone) between
 steps; a long prompt delays other rows' tokens by at most one chunk (a policy that compresses the
