@@ -209,11 +209,16 @@ def test_sparse_mlps_compose_with_a_kv_policy_and_a_pruned_model():
 
 @pytest.mark.parametrize("selector", sorted(SELECTORS))
 def test_sparse_models_on_the_fast_path_equal_transformers_generate(arch, selector):
+    model = build_tiny(arch)
+    sparsify(model, selector, 0.4, calibration=_ids(), progress=False)
+    assert_fast_path_equals_transformers(model)
+
+
+def assert_fast_path_equals_transformers(model) -> None:
+    """sparsegen's H2O decode of a sparsified `model` gives transformers' greedy tokens."""
     from sparsegen.decode import generate
     from sparsegen.kv import make_cache
 
-    model = build_tiny(arch)
-    sparsify(model, selector, 0.4, calibration=_ids(), progress=False)
     prompt = _ids(1, 20, seed=3)
     with policy_attention(model):
         expected = model.generate(

@@ -13,7 +13,6 @@ from sparsegen.contextual.apply import (
 )
 from sparsegen.contextual.heads import SparseAttention
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.attention import policy_attention
 from sparsegen.models import decoder_layers
 from tests.conftest import build_tiny
 
@@ -21,7 +20,7 @@ from tests.conftest import build_tiny
 # "gathered": a SparseMLP reading only the kept neurons' rows; "masked": a SparseMLP computing
 # every neuron (the choice needs h); "input-sparse": TEAL's projections. Adding a selector adds one
 # row here.
-from tests.test_contextual import _ids
+from tests.test_contextual import _ids, assert_fast_path_equals_transformers
 
 
 def test_all_heads_kept_generates_the_dense_tokens(arch):
@@ -58,18 +57,9 @@ def test_head_sparse_decode_steps_equal_the_teacher_forced_masked_path(arch, hea
 
 
 def test_head_sparse_models_on_the_fast_path_equal_transformers_generate(arch):
-    from sparsegen.decode import generate
-    from sparsegen.kv import make_cache
-
     model = build_tiny(arch)
     sparsify(model, "predictor", 0.4, calibration=_ids(), head_sparsity=0.75, progress=False)
-    prompt = _ids(1, 20, seed=3)
-    with policy_attention(model):
-        expected = model.generate(
-            prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
-        )
-    got = generate(model, prompt, 8, policy="h2o", compile="never", eos_token_id=[], heavy=4, recent=6)
-    assert got.tokens[0] == expected[0, 20:].tolist()
+    assert_fast_path_equals_transformers(model)
 
 
 def test_head_predictors_round_trip_and_report_recall(tmp_path):
