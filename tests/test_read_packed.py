@@ -76,3 +76,34 @@ def test_the_engine_reads_waiting_prompts_packed_and_answers_as_alone(monkeypatc
     for index, ids in enumerate(PROMPTS):
         made = sparsegen.generate(model, [ids], 5, "h2o", compile="never", **budget)
         assert "".join(answers[index]) == tokenizer.decode(made.tokens[0], skip_special_tokens=True)
+
+
+def test_a_failed_packed_read_fails_its_requests_frees_their_kv_and_the_engine_serves_on(monkeypatch):
+    model, failures = build_tiny("llama"), []
+
+    def broken(*_args):
+        failures.append(1)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(batching, "read_packed", broken)
+    engine = batching.Engine(model, tiny_tokenizer(), policy="full", prefill_chunk=64)
+    events: dict[int, list] = {i: [] for i in range(4)}
+    ended = threading.Semaphore(0)
+
+    def collect(index: int, event) -> None:
+        events[index].append(event)
+        if isinstance(event, (Done, Failed)):
+            ended.release()
+
+    try:
+        for index, ids in enumerate(PROMPTS[:3]):
+            engine.submit(batching.Job(ids, 3, lambda e, i=index: collect(i, e)))
+        for _ in range(3):
+            assert ended.acquire(timeout=60)
+        assert failures and engine.held_kv_bytes() == 0
+        assert all(isinstance(events[i][-1], Failed) and "injected failure" in events[i][-1].message for i in range(3))
+        engine.submit(batching.Job(PROMPTS[1], 3, lambda e: collect(3, e)))  # alone: read without packing
+        assert ended.acquire(timeout=60)
+    finally:
+        engine.close()
+    assert isinstance(events[3][-1], Done) and events[3][-1].finish_reason in ("stop", "length")
