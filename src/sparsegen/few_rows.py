@@ -55,8 +55,10 @@ def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """A prompt read's fp32 product on a CPU through oneDNN (mkldnn), where torch has it: with
     weights read cold from memory, 20-27% faster than `F.linear`'s MKL at 128-256 rows on the AMD
     host, and a whole prompt read through the model 17% faster (docs/benchmarks.md); `F.linear`
-    elsewhere."""
-    if x.is_cpu and x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    elsewhere, and where a gradient is wanted (the oneDNN op has none)."""
+    fp32_cpu = x.is_cpu and x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    wants_gradient = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if fp32_cpu and not wants_gradient:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 
