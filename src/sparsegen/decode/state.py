@@ -163,10 +163,10 @@ class LayerState:
             remember(self.recent_keys, key, at)
             remember(self.recent_values, value, at)
         key, value = self._stored(key, self.keys), self._stored(value, self.values)
-        self.keys.scatter_(2, self.slot.unsqueeze(-1).expand(b, h, 1, key.shape[3]), key)
-        self.values.scatter_(2, self.slot.unsqueeze(-1).expand(b, h, 1, value.shape[3]), value)
-        self.positions.scatter_(2, self.slot, position.view(b, 1, 1).expand(b, h, 1))
-        self.scores.scatter_(2, self.slot, 0.0)
+        put_in_slots(self.keys, self.slot, key)
+        put_in_slots(self.values, self.slot, value)
+        put_in_slots(self.positions, self.slot, position.view(b, 1, 1).expand(b, h, 1))
+        put_in_slots(self.scores, self.slot, 0.0)
 
     def read(self, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot's key and value as numbers: the buffers themselves, or decoded with each
@@ -270,7 +270,22 @@ class LayerState:
         priority = priority.masked_fill(self.positions == DEAD, KEEP)
         priority = priority.masked_fill(self.positions == EMPTY, float("-inf"))
         self.slot.copy_(priority.argmin(-1, keepdim=True))
-        self.positions.scatter_(2, self.slot, EMPTY)
+        put_in_slots(self.positions, self.slot, EMPTY)
+
+
+def put_in_slots(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor | float) -> None:
+    """Write `new` ([b, h, 1, ...] or a number) into each row's and head's `slot` [b, h, 1] of
+    `buffer` [b, h, C, ...]. Eagerly a `scatter_` (the cheapest to launch); in a compiled step an
+    `index_put_`, which inductor writes in place, where a `scatter_` on a graph input is copied
+    whole, written and copied back (two copies of every layer's buffers a step: a third of a
+    1k-context int4 step, docs/benchmarks.md)."""
+    if not torch.compiler.is_compiling():
+        index = slot if buffer.dim() == 3 else slot.unsqueeze(-1).expand(*slot.shape, buffer.shape[3])
+        buffer.scatter_(2, index, new)
+        return
+    b, h = slot.shape[:2]
+    at = (torch.arange(b, device=slot.device).view(b, 1, 1), torch.arange(h, device=slot.device).view(1, h, 1), slot)
+    buffer.index_put_(at, new if isinstance(new, torch.Tensor) else buffer.new_full((), new))
 
 
 def _ranks(live: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
