@@ -122,6 +122,7 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
     on_cpu = device.type == "cpu" and kernels_available()
     byte_products = codec is not None and on_cpu and not rolled_per_slot
     rolled_products = codec is None and on_cpu and rolled_per_slot and keys.dtype == torch.float32
+    fused_attention = codec is None and on_cpu and keys.dtype == torch.float32
     return LayerState(
         policy=policy,
         sizes=sizes,
@@ -137,5 +138,6 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
         codec=codec,
         byte_products=byte_products,
         rolled_products=rolled_products,
+        fused_attention=fused_attention,
         **({} if codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}),
     )

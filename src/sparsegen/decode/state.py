@@ -18,7 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.decode.context import ContextRows
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.kernels import held_mix, held_scores, rolled_scores
+from sparsegen.kv.kernels import held_mix, held_scores, rolled_scores, slot_attention
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.quantized import KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
@@ -55,7 +55,8 @@ class LayerState:
     With a `codec`, keys and values are its byte rows, decoded for each step's attention, and
     `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of each row's newest tokens at full
     precision (`kv.quantized`); `byte_products` multiplies the byte rows directly, `rolled_products`
-    rotates full-precision keys to rolling positions inside the product (`kv.kernels`; eager steps).
+    rotates full-precision keys to rolling positions inside the product (`kv.kernels`; eager steps),
+    `fused_attention` attends over fp32 slots in one call where no policy reads the probabilities.
     With a `context`, the slots hold each row's own tokens and the rows also attend over the part
     of one shared context each kept (`decode.context`).
     """
@@ -76,6 +77,7 @@ class LayerState:
     recent_values: torch.Tensor | None = None
     byte_products: bool = False
     rolled_products: bool = False
+    fused_attention: bool = False
     context: ContextRows | None = None
 
     @property
@@ -204,6 +206,10 @@ class LayerState:
         b, hq, _, d = query.shape
         h = self.keys.shape[1]
         grouped = query.view(b, h, hq // h, d)
+        if self.fused_attention and not self.evicting and self.rotation is None and self.context is None:
+            out = slot_attention(grouped, self.keys, self.values, self.positions, scaling)
+            self.choose_next_slot(query, None, None, None, scaling, seen)
+            return out.to(query.dtype).reshape(b, hq, 1, d).transpose(1, 2)
         if self.byte_products:  # no float copy of the cache; no policy scoring while decoding reads it
             keys = values = None
             logits = self._byte_logits(grouped, seen) * scaling

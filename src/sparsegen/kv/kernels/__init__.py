@@ -3,9 +3,11 @@
 `held_scores` is each query's dot product with each held key, `held_mix` the attention
 probabilities times the held values, both over byte rows with the ring of newest tokens
 (`kv.quantized`); `rolled_scores` the products with full-precision keys rotated to rolling
-positions on the fly (`kv.rope`). Ops registered with torch's dispatcher from C++ (`kv_int.cpp`;
-one opaque call in a compiled step, with a meta implementation for tracing; callable once
-`kernels_available()`) that decode or rotate one row at a time into a buffer that stays in L1.
+positions on the fly (`kv.rope`); `slot_attention` a decode step's whole attention over fp32 slots
+(scores, softmax and value sum in one pass, free slots never read). Ops registered with torch's
+dispatcher from C++ (`kv_int.cpp`; one opaque call in a compiled step, with a meta implementation
+for tracing; callable once `kernels_available()`) that decode or rotate one row at a time into a
+buffer that stays in L1.
 The C++ is built on first use with the machine's compiler; where it cannot be built
 (`kernels_available()` is False, said once; `sparsegen.native`) the fast path decodes or rotates
 the whole cache and multiplies in torch instead.
@@ -65,3 +67,14 @@ def rolled_scores(query: torch.Tensor, keys: torch.Tensor, delta: torch.Tensor, 
     positions, `kv.rope`), without writing the rotated keys: fp32 [b, h, g, n]."""
     table, reach = rotation.table(delta)
     return torch.ops.sparsegen.rolled_scores(query.float().contiguous(), keys, delta.contiguous(), table, reach)
+
+
+def slot_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """softmax(scaling * query [b, h, g, d] . keys [b, h, n, d]) . values over each row's live
+    slots (positions [b, h, n] >= 0), fp32 [b, h, g, d]: one call for what is otherwise two
+    products, a mask and a softmax over every slot."""
+    return torch.ops.sparsegen.slot_attention(
+        query.float().contiguous(), keys.contiguous(), values.contiguous(), positions.contiguous(), scaling
+    )

@@ -1,5 +1,6 @@
 // Attention products over the held KV without a float copy of the cache: over keys and values held
-// as byte rows (kv_scores, kv_mix), and over full-precision keys at rolling positions (rolled_scores).
+// as byte rows (kv_scores, kv_mix), and over full-precision keys at rolling positions (rolled_scores);
+// and a decode step's whole attention over fp32 slots in one call (slot_attention).
 //
 // Byte rows (sparsegen/kv/quantized.py): each row
 // is D codes (one byte each at 8 bits, two a byte at 4, low nibble first) followed by, per group
@@ -21,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -111,6 +113,38 @@ inline float dot(const float* a, const float* b, int64_t dim) {
 inline void add_scaled(float* acc, const float* x, float weight, int64_t dim) {
 #pragma omp simd
   for (int64_t c = 0; c < dim; ++c) acc[c] += weight * x[c];
+}
+
+// x[i] = exp(x[i] - top) for i < count; returns their sum. AVX2: a degree-6 polynomial on the
+// reduced argument and the power of two put in the exponent bits (about 2 ulp; the arguments are
+// <= 0, so no overflow), where a scalar exp per slot would cost as much as the products.
+inline float exp_shifted(float* x, int64_t count, float top) {
+  float total = 0.f;
+  int64_t i = 0;
+#ifdef SPARSEGEN_AVX2
+  const __m256 shift = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const float coefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                1.6666665459e-1f, 5.0000001201e-1f};
+  __m256 sum = _mm256_setzero_ps();
+  for (; i + 8 <= count; i += 8) {
+    const __m256 a = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift), floor);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, a));
+    __m256 p = _mm256_set1_ps(coefficients[0]);
+    for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coefficients[c]));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  for (float lane : lanes) total += lane;
+#endif
+  for (; i < count; ++i) total += (x[i] = std::exp(x[i] - top));
+  return total;
 }
 
 Rows rows_of(const torch::Tensor& bytes, const torch::Tensor& ring, const torch::Tensor& positions,
@@ -248,6 +282,65 @@ torch::Tensor rolled_scores(torch::Tensor query, torch::Tensor keys, torch::Tens
   return out;
 }
 
+// One decode step's attention over fp32 slots: softmax(scaling * q . k) . v over each row's live
+// slots (position >= 0; free and dead slots are never read), for query [b, h, g, d], keys and
+// values [b, h, n, d], positions [b, h, n] -> [b, h, g, d]. One pass per (row, KV head, part of
+// the slots), scores kept in L1 and used at once; the parts (so that two cores share three heads)
+// merged by their maxima and sums.
+torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor positions,
+                             double scaling) {
+  const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3), n = keys.size(2);
+  for (const auto& t : {query, keys, values})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 4 && t.size(3) == d,
+                "slot_attention: contiguous fp32 query [b, h, g, d], keys and values [b, h, n, d] expected");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.size(2) == n,
+              "slot_attention: contiguous int64 positions [b, h, n] expected");
+  const int64_t parts = std::max<int64_t>(1, std::min((2 * at::get_num_threads() + b * h - 1) / (b * h), n / 256));
+  const int64_t span = (n + parts - 1) / parts, items = b * h * parts;
+  std::vector<float> maxima(items * g), sums(items * g), mixed(items * g * d, 0.f);
+  const float *q_all = query.data_ptr<float>(), *k_all = keys.data_ptr<float>(), *v_all = values.data_ptr<float>();
+  const int64_t* p_all = positions.data_ptr<int64_t>();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(g * span);
+    std::vector<int64_t> live(span);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t bh = w / parts, first = (w % parts) * span, last = std::min(n, first + span);
+      const float *q = q_all + bh * g * d, *k = k_all + bh * n * d, *v = v_all + bh * n * d;
+      int64_t count = 0;
+      for (int64_t t = first; t < last; ++t) {
+        if (p_all[bh * n + t] < 0) continue;
+        for (int64_t j = 0; j < g; ++j) scores[j * span + count] = dot(q + j * d, k + t * d, d) * scaling;
+        live[count++] = t;
+      }
+      for (int64_t j = 0; j < g && count; ++j) {
+        float* s = scores.data() + j * span;
+        maxima[w * g + j] = *std::max_element(s, s + count);
+        sums[w * g + j] = exp_shifted(s, count, maxima[w * g + j]);
+      }
+      if (!count) std::fill(maxima.begin() + w * g, maxima.begin() + (w + 1) * g, -INFINITY);
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t j = 0; j < g; ++j) add_scaled(&mixed[(w * g + j) * d], v + live[i] * d, scores[j * span + i], d);
+    }
+  });
+  auto out = torch::zeros_like(query);
+  float* o = out.data_ptr<float>();
+  for (int64_t bh = 0; bh < b * h; ++bh)
+    for (int64_t j = 0; j < g; ++j) {
+      float top = -INFINITY, total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, maxima[(bh * parts + p) * g + j]);
+      if (top == -INFINITY) continue;  // no live slot: zeros
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at = (bh * parts + p) * g + j;
+        if (maxima[at] == -INFINITY) continue;
+        const float weight = std::exp(maxima[at] - top);
+        total += weight * sums[at];
+        add_scaled(o + (bh * g + j) * d, &mixed[at * d], weight, d);
+      }
+      for (int64_t c = 0; c < d; ++c) o[(bh * g + j) * d + c] /= total;
+    }
+  return out;
+}
+
 // Shapes alone, for tracing: a compiled step keeps each op as one opaque call. Symbolic sizes, so a
 // graph traced for any row count or slot count stays one graph.
 torch::Tensor kv_scores_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
@@ -260,6 +353,11 @@ torch::Tensor rolled_scores_meta(torch::Tensor query, torch::Tensor keys, torch:
   return at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2), keys.sym_size(2)}, query.options());
 }
 
+torch::Tensor slot_attention_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
+                                  torch::Tensor positions, double scaling) {
+  return at::empty_symint(query.sym_sizes(), query.options());
+}
+
 torch::Tensor kv_mix_meta(torch::Tensor probs, torch::Tensor values, torch::Tensor ring, torch::Tensor positions,
                           torch::Tensor seen, int64_t bits, int64_t group) {
   return at::empty_symint({probs.sym_size(0), probs.sym_size(1), probs.sym_size(2), ring.sym_size(3)}, probs.options());
@@ -270,16 +368,19 @@ TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("kv_scores(Tensor query, Tensor keys, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
   m.def("kv_mix(Tensor probs, Tensor values, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
   m.def("rolled_scores(Tensor query, Tensor keys, Tensor delta, Tensor table, int reach) -> Tensor");
+  m.def("slot_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("kv_scores", &kv_scores);
   m.impl("kv_mix", &kv_mix);
   m.impl("rolled_scores", &rolled_scores);
+  m.impl("slot_attention", &slot_attention);
 }
 TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
   m.impl("kv_scores", &kv_scores_meta);
   m.impl("kv_mix", &kv_mix_meta);
   m.impl("rolled_scores", &rolled_scores_meta);
+  m.impl("slot_attention", &slot_attention_meta);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

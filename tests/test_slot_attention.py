@@ -1,0 +1,55 @@
+"""A decode step's attention over fp32 slots in one call (`kv.kernels.slot_attention`)."""
+
+import pytest
+import torch
+
+from sparsegen.decode import Decoder, generate
+from sparsegen.kv.kernels import kernels_available, slot_attention
+from tests.conftest import build_tiny
+
+
+def masked_softmax_attention(query, keys, values, positions, scaling):
+    """The plain torch computation the op replaces: products, a mask of the live slots, softmax."""
+    logits = (query @ keys.transpose(-1, -2)) * scaling
+    logits = logits.masked_fill(~(positions >= 0).unsqueeze(2), float("-inf"))
+    return logits.softmax(-1) @ values
+
+
+@pytest.mark.parametrize(("b", "h", "g", "d", "n"), [(2, 3, 3, 64, 300), (1, 2, 4, 48, 37), (1, 3, 3, 64, 1100)])
+def test_slot_attention_equals_masked_softmax_over_the_live_slots(b, h, g, d, n):
+    assert kernels_available()  # the machine's compiler builds them; CI has one
+    generator = torch.Generator().manual_seed(n)
+    query, keys, values = (torch.randn(b, h, k, d, generator=generator) for k in (g, n, n))
+    positions = torch.randint(-2, 5000, (b, h, n), generator=generator)  # -1 free, -2 beyond the budget
+    positions[..., -1] = 7  # every row and head holds at least one token
+    if n > 1000:
+        positions[..., : n // 2] = -1  # whole parts of the slots empty: their share must vanish
+    expected = masked_softmax_attention(query, keys, values, positions, d**-0.5)
+    torch.testing.assert_close(slot_attention(query, keys, values, positions, d**-0.5), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_attention_compiles_as_one_call_for_any_row_and_slot_count():
+    torch._dynamo.reset()
+    compiled = torch.compile(slot_attention, fullgraph=True, dynamic=True)
+    for b, n in ((1, 40), (3, 90)):
+        query, keys, values = torch.randn(b, 2, 2, 32), torch.randn(b, 2, n, 32), torch.randn(b, 2, n, 32)
+        positions = torch.arange(n).expand(b, 2, n).contiguous()
+        positions[:, :, 5:9] = -1
+        expected = masked_softmax_attention(query, keys, values, positions, 0.2)
+        torch.testing.assert_close(compiled(query, keys, values, positions, 0.2), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_full_cache_decodes_the_same_with_and_without_the_fused_attention(arch, monkeypatch):
+    import sparsegen.decode.handover as handover
+
+    model = build_tiny(arch)
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 37)]
+    fused = Decoder(model, "full", compile="never")
+    with_kernel = generate(model, prompts, 20, decoder=fused)
+    assert all(layer.fused_attention for layer in fused.state.layers)
+    monkeypatch.setattr(handover, "kernels_available", lambda: False)
+    plain = Decoder(model, "full", compile="never")
+    without = generate(model, prompts, 20, decoder=plain)
+    assert not any(layer.fused_attention for layer in plain.state.layers)
+    assert with_kernel.tokens == without.tokens
