@@ -34,6 +34,10 @@ COMPILE_MODES = ("auto", "always", "never")
 COMPILE_AFTER = 64  # eager steps before "auto" considers compiling
 COMPILE_PAYS_AFTER = 512  # steps still to come for a compile to pay back (see docs/benchmarks.md)
 PREFILL_ROWS = 4  # rows read in one prefill forward: bounds the dense prompt KV held before eviction
+LEAN_WRAPPER = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+"""Inductor checks every input's size and alignment again in the graph's Python wrapper, after
+dynamo's guards have: about 850 checks a step at 30 layers, 0.6-1.7 ms of a 13 ms int4 step
+(docs/benchmarks.md)."""
 
 
 def _say_to_stderr(message: str) -> None:
@@ -215,7 +219,7 @@ class Decoder:
         if self.device.type == "cpu":
             # kept while the compiled step lives; `release()` undoes it
             self.patched = use_gemv(self.model, self.rows_vary)
-            self._step = torch.compile(self._eager, dynamic=None if self.rows_vary else False)
+            self._step = torch.compile(self._eager, dynamic=None if self.rows_vary else False, options=LEAN_WRAPPER)
         else:  # replayed as a CUDA graph over slots marked static (recorded again when rows change)
             self._step = torch.compile(self._eager, dynamic=False, mode="reduce-overhead")
         self.mode = "compiled"
