@@ -194,8 +194,8 @@ def run_load(
                 for key in most:
                     most[key] = max(most[key], health.get(key, 0))
 
-    watcher = threading.Thread(target=poll_health, daemon=True)
-    if watch:
+    watcher = threading.Thread(target=poll_health, daemon=True) if watch else None
+    if watcher is not None:
         watcher.start()
     threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(clients)]
     for thread in threads:
@@ -203,7 +203,7 @@ def run_load(
     for thread in threads:
         thread.join()
     finished.set()
-    if watch:
+    if watcher is not None:
         watcher.join()
     if failures:
         raise SparsegenError(f"{len(failures)} requests failed, the first: {failures[0]}")

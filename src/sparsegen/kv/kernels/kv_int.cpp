@@ -293,7 +293,10 @@ torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Ten
   for (const auto& t : {query, keys, values})
     TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 4 && t.size(3) == d,
                 "slot_attention: contiguous fp32 query [b, h, g, d], keys and values [b, h, n, d] expected");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.size(2) == n,
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == b && keys.size(1) == h,
+              "slot_attention: keys and values [b, h, n, d] for query [b, h, g, d] expected");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.dim() == 3 &&
+                  positions.size(0) == b && positions.size(1) == h && positions.size(2) == n,
               "slot_attention: contiguous int64 positions [b, h, n] expected");
   const int64_t parts = std::max<int64_t>(1, std::min((2 * at::get_num_threads() + b * h - 1) / (b * h), n / 256));
   const int64_t span = (n + parts - 1) / parts, items = b * h * parts;
