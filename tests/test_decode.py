@@ -279,10 +279,46 @@ def test_a_step_compiled_for_varying_rows_never_recompiles_and_equals_eager():
                     logits = decoder.step(logits.argmax(-1))
                     seen.append(logits)
                 if decoder.rows == 3:
-                    decoder.leave([0])
-                    logits = logits[1:]
+                    logits = logits[decoder.leave([0])]
         outputs[mode] = seen
         if mode == "always":
             assert counters["stats"]["unique_graphs"] - graphs == 2  # one row; any other count
     for eager, compiled in zip(outputs["never"], outputs["always"], strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o"])
+def test_rows_leaving_and_joining_move_only_their_own_rows_and_decode_as_alone(policy):
+    """Rows leave from the middle (the last staying rows take their places, the buffers keep
+    their storage) and a row joins into the room they left: every row's greedy tokens are its own
+    run's alone, whatever its index in the batch."""
+    model = build_tiny("llama", layers=2)
+    prompts = [list(range(3, 3 + n)) for n in (9, 14, 11, 20)] + [list(range(30, 47))]
+
+    def alone(prompt: list[int], steps: int) -> list[int]:
+        out = generate(model, [prompt], steps + 1, policy, budget=12, compile="never", eos_token_id=[])
+        return out.tokens[0]
+
+    decoder = Decoder(model, policy, compile="never", rows_vary=True, budget=12, notify=lambda _: None)
+    tokens = {row: [] for row in range(5)}
+    with policy_attention(model):
+        caches, logits = decoder.prefill(prompts[:4])
+        decoder.start_from(caches, 8)
+        batch = [0, 1, 2, 3]
+        for step in range(6):
+            for row, token in zip(batch, logits.argmax(-1).tolist(), strict=True):
+                tokens[row].append(token)
+            if step == 1:
+                buffer = decoder.state.layers[0].keys
+                order = decoder.leave([0, 2])
+                assert order == [3, 1] and decoder.state.layers[0].keys.data_ptr() == buffer.data_ptr()
+                batch, logits = [batch[row] for row in order], logits[order]
+            if step == 3:
+                caches, joined = decoder.prefill(prompts[4:])
+                decoder.join([cache for _, cache in caches], 8)
+                assert decoder.state.layers[0].keys.data_ptr() == buffer.data_ptr()  # into the room rows left
+                batch, logits = [*batch, 4], torch.cat([logits, joined])
+                tokens[4].append(int(joined.argmax(-1)))
+            logits = decoder.step(logits.argmax(-1))
+    for row in (1, 3, 4):
+        assert tokens[row] == alone(prompts[row], len(tokens[row]) - 1)[: len(tokens[row])]

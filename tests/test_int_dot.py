@@ -88,8 +88,8 @@ def test_a_checkpoint_loaded_with_integer_dot_products_decodes_like_its_weight_o
     model = build_tiny(arch)
     report = quantize(model, "rtn", 4, 32, False, progress=False)
     folder = save_quantized(model, tiny_tokenizer(), tmp_path / "q", report)
-    weight_only, _ = sparsegen.load(str(folder))
-    integer_dot, _ = sparsegen.load(str(folder), activation_bits=8)
+    weight_only, _ = sparsegen.load(str(folder), device="cpu")  # integer-dot products run on a CPU
+    integer_dot, _ = sparsegen.load(str(folder), device="cpu", activation_bits=8)
     layers = [m for m in integer_dot.modules() if isinstance(m, IntDotLinear)]
     assert len(layers) == len(report.grids)
     head = integer_dot.get_output_embeddings()  # the head in int8 too, the input embedding untouched

@@ -140,11 +140,12 @@ class Decoder:
         """Add the rows of prefilled `caches` to the batch (after the rows already in it). Given the
         `context` they were all made from (`SharedPrefill.cache_for`), rows that keep every new
         token read its keys and values once per step instead of each a copy (`decode.handover`)."""
-        layers = []
+        layers, batch = [], self.state.layers if self.rows else None
         for index in range(len(caches[0].layers)):
             parts = [slots_of(cache.layers[index]) for cache in caches]
             shared = None if context is None else context.layer_kv(index)
-            layers.append(stack_layer(parts, max_new_tokens, self.kv_dtype, shared))
+            slots = 0 if batch is None else batch[index].keys.shape[2]  # the batch's: no second copy to grow
+            layers.append(stack_layer(parts, max_new_tokens, self.kv_dtype, shared, slots))
         counts = [cache.get_seq_length() for cache in caches for _ in range(_rows(cache))]
         seen = torch.tensor(counts, device=layers[0].keys.device)
         joining = StaticKV(layers, seen, varying=self.rows_vary)
@@ -154,10 +155,16 @@ class Decoder:
             self.state.extend(joining)
         self._remaining = max(self._remaining, max_new_tokens)
 
-    def leave(self, rows: list[int]) -> None:
-        """Take `rows` (batch indices) out of the batch; the others keep their order."""
-        keep = [row for row in range(self.rows) if row not in set(rows)]
-        self.state.select(torch.tensor(keep, dtype=torch.long))
+    def leave(self, rows: list[int]) -> list[int]:
+        """Take `rows` (batch indices) out of the batch. The last staying rows move into the places
+        of those that leave (only they are copied, not the batch); returns the staying rows' old
+        indices in their new order, for the caller's own per-row lists."""
+        gone = set(rows)
+        count = self.rows - len(gone)
+        movers = iter(row for row in range(count, self.rows) if row not in gone)
+        order = [next(movers) if row in gone else row for row in range(count)]
+        self.state.select(order)
+        return order
 
     def hand_back(self, row: int) -> PolicyCache:
         """Row `row`'s held tokens as a policy cache of its own, to keep between requests."""
@@ -184,7 +191,7 @@ class Decoder:
         self.state, self._steps, self._remaining = None, 0, 0
         self.join([cache for _, cache in caches], max_new_tokens, context)
         order = [row for rows, _ in caches for row in rows]
-        self.state.select(torch.tensor(order).argsort())  # stacked rows are grouped by length: undo that
+        self.state.select(torch.tensor(order).argsort().tolist())  # stacked rows are grouped by length: undo that
         if self.compile == "auto" and self.mode != "compiled":
             if not self._has_compiler():
                 self.notify(f"decoding eagerly: {self._compiler_needed()} found for torch.compile")

@@ -160,9 +160,8 @@ def token_loop(
         if len(ended) == len(batch):
             return
         if decoder.mode != "compiled" and 4 * len(ended) >= len(batch):
-            decoder.leave(ended)
-            staying = [row for row, index in enumerate(batch) if verdicts[index].reason is None]
-            token, batch = token[staying], [batch[row] for row in staying]
+            order = decoder.leave(ended)
+            token, batch = token[order], [batch[row] for row in order]
         token = sample(decoder.step(token), batch)
 
 

@@ -33,8 +33,10 @@ def stack_layer(
     max_new_tokens: int,
     kv_dtype: torch.dtype,
     context: tuple[torch.Tensor, torch.Tensor] | None = None,
+    min_slots: int = 0,
 ) -> LayerState:
-    """One layer's slots for the rows of `parts`, room for `max_new_tokens` each. `context`, the
+    """One layer's slots for the rows of `parts`, room for `max_new_tokens` each (and at least
+    `min_slots`, those of the batch they join). `context`, the
     keys and values [h, S, d] of a context every part read first (at positions 0..S-1), is read
     once per step instead of held per row, where every part holds full-precision keys at their
     original positions (an evicting row then evicts context tokens by mask, `decode.context`)."""
@@ -43,11 +45,11 @@ def stack_layer(
         for part in parts
     )
     if not shares:
-        return stack(parts, capacity_for(parts, max_new_tokens), kv_dtype)
+        return stack(parts, max(capacity_for(parts, max_new_tokens), min_slots), kv_dtype)
     keys, values = context
     split = [split_context(part, keys.shape[1]) for part in parts]
     own = [part for *_, part in split]
-    state = stack(own, capacity_for(own, max_new_tokens, bounded=False), kv_dtype, bounded=False)
+    state = stack(own, max(capacity_for(own, max_new_tokens, bounded=False), min_slots), kv_dtype, bounded=False)
     live, scores = (torch.cat(parts) for parts in zip(*(pair for *pair, _ in split), strict=True))
     rules = tuple(part.policy if part.evicting else None for part in parts for _ in range(part.keys.shape[0]))
     rolls = tuple(part.rotation is not None for part in parts for _ in range(part.keys.shape[0]))

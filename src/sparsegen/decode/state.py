@@ -86,13 +86,21 @@ class LayerState:
         rows = ("keys", "values", "positions", "scores", "slot")
         return rows if self.codec is None else (*rows, *RING)
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (indices, in that order): rows leave the batch between steps."""
+    def select(self, order: list[int]) -> None:
+        """Keep the rows `order` (old indices, in their new order; rows leave the batch between
+        steps), in place: only rows whose index changes are copied, and the buffers keep their
+        storage for rows that join later."""
+        moved = [(new, old) for new, old in enumerate(order) if new != old]
         for name in self.per_row:
-            setattr(self, name, getattr(self, name)[rows].contiguous())
-        self.sizes = Sizes(*(getattr(self.sizes, part)[rows] for part in PARTS))
+            buffer = getattr(self, name)
+            if len(moved) > 1:  # a permutation: read every moved row before writing any
+                buffer[[new for new, _ in moved]] = buffer[[old for _, old in moved]]
+            elif moved:
+                buffer[moved[0][0]].copy_(buffer[moved[0][1]])
+            buffer.resize_(len(order), *buffer.shape[1:])
+        self.sizes = Sizes(*(getattr(self.sizes, part)[order] for part in PARTS))
         if self.context is not None:
-            self.context.select(rows)
+            self.context.select(torch.tensor(order, dtype=torch.long, device=self.keys.device))
 
     def grow(self, capacity: int) -> None:
         """Add slots up to `capacity`: free (EMPTY) where rows keep every token, else DEAD (beyond
@@ -115,7 +123,7 @@ class LayerState:
         self.grow(capacity)
         other.grow(capacity)
         for name in self.per_row:
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+            setattr(self, name, _append_rows(getattr(self, name), getattr(other, name)))
         self.sizes = Sizes(*(torch.cat([getattr(self.sizes, p), getattr(other.sizes, p)]) for p in PARTS))
         self.sinks = max(self.sinks, other.sinks)
         self.evicting |= other.evicting and other.context is not None  # rows of a shared context may mix
@@ -279,6 +287,20 @@ class LayerState:
         put_in_slots(self.positions, self.slot, EMPTY)
 
 
+def _append_rows(buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`buffer` [n, ...] with `rows` [k, ...] after its own rows: in place where its storage has
+    room (left by rows that left), else in a new buffer with room for as many rows again, so rows
+    joining one at a time copy the batch only when it doubles, not at every join."""
+    n, k, shape = buffer.shape[0], rows.shape[0], buffer.shape[1:]
+    if buffer.untyped_storage().nbytes() < (n + k) * shape.numel() * buffer.element_size():
+        grown = buffer.new_empty((2 * (n + k), *shape))
+        grown[:n] = buffer
+        buffer = grown
+    buffer.resize_(n + k, *shape)
+    buffer[n:] = rows
+    return buffer
+
+
 def put_in_slots(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor | float) -> None:
     """Write `new` ([b, h, 1, ...] or a number) into each row's and head's `slot` [b, h, 1] of
     `buffer` [b, h, C, ...]. Eagerly a `scatter_` (the cheapest to launch); in a compiled step an
@@ -320,14 +342,15 @@ class StaticKV:
     def __post_init__(self) -> None:
         self._mark_static()
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (indices, in that order) in every layer."""
-        rows = rows.to(self.seen.device)
+    @torch.inference_mode()  # the buffers change in place, and a prefill made them inference tensors
+    def select(self, order: list[int]) -> None:
+        """Keep the rows `order` (old indices, in their new order) in every layer."""
         for layer in self.layers:
-            layer.select(rows)
-        self.seen = self.seen[rows]
+            layer.select(order)
+        self.seen = self.seen[order]
         self._mark_static()
 
+    @torch.inference_mode()
     def extend(self, other: StaticKV) -> None:
         """Append `other`'s rows to every layer."""
         for layer, joining in zip(self.layers, other.layers, strict=True):

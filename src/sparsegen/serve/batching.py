@@ -341,10 +341,9 @@ class Engine:
                 else:  # the client is gone
                     self.admission.release(jobs[row])
             if leaving:
-                lane.decoder.leave(list(leaving))
-                staying = [row for row in range(len(jobs)) if row not in leaving]
-                lane.jobs = [jobs[row] for row in staying]
-                tokens = tokens[staying]
+                order = lane.decoder.leave(list(leaving))
+                lane.jobs = [jobs[row] for row in order]
+                tokens = tokens[order]
             if not lane.jobs:
                 lane.logits = None
                 return
