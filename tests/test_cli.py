@@ -327,3 +327,5 @@ def test_activation_bits_other_than_8_is_a_one_line_error(monkeypatch, capsys, t
 def test_bench_peers_runs_on_the_cpu_only(monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "bench", "peers", "--device", "cuda")
     assert code == 2 and "use --device cpu" in err and "Traceback" not in err
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "peers", "--rounds", "0")
+    assert code == 2 and "rounds must be >= 1 (--rounds)" in err and "Traceback" not in err

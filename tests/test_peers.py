@@ -2,7 +2,7 @@
 itself runs llama.cpp and vLLM for minutes: `docs/benchmarks.md`)."""
 
 from sparsegen.bench.peer_envs import PeerEnv, _name_vllm_cpu, peer_python
-from sparsegen.bench.peers import _leading_equal
+from sparsegen.bench.peers import _leading_equal, _median_round
 
 
 def test_a_missing_peer_is_skipped_with_the_flag_that_installs_it(tmp_path, monkeypatch):
@@ -44,3 +44,10 @@ def test_answers_agree_up_to_their_first_difference():
     assert _leading_equal([1, 2, 3, 4], [1, 2, 9, 4]) == 2
     assert _leading_equal([1, 2, 3], [1, 2, 3]) == 3
     assert _leading_equal([5], [1, 2]) == 0
+
+
+def test_each_decode_row_is_its_median_round_with_the_range_of_all():
+    rounds = [{"ms": ms, "tokens": [ms]} for ms in (14.0, 11.5, 19.25)]
+    middle = _median_round(rounds)
+    assert middle["ms"] == 14.0 and middle["tokens"] == [14.0] and middle["ms_rounds"] == "11.50-19.25"
+    assert _median_round(rounds[:2])["ms"] == 11.5  # an even count: the lower middle

@@ -1,7 +1,8 @@
 """`sparsegen bench peers`: sparsegen beside the engines a user would compare it with, in one run.
 
 Decode: batch 1 after a `context`-token prompt, greedy, each configuration in its own process
-(the compiled step, a warm-up run first): sparsegen fp32, int8 and int4 checkpoints (RTN, packed;
+(the compiled step, a warm-up run first), every configuration once a round for a few rounds in
+turn, each reported at its median round: sparsegen fp32, int8 and int4 checkpoints (RTN, packed;
 int4 also with integer-dot products) against llama.cpp (llama-cpp-python) on the model's own GGUF,
 fed the same prompt ids at the same thread count. Serving: `sparsegen serve` (the compiled
 batched step, the full cache) against vLLM's CPU build on the same fp32 folder, with 1 and then N
@@ -33,11 +34,13 @@ from sparsegen.bench.serve import (
     single_request_answers,
     wait_for_health,
 )
+from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.report import markdown_table, run_meta
 
 DECODE_COLUMNS = [  # `bench decode`'s, its ratios to generate() and the fast fp32 path replaced
     *BENCH_DECODE_COLUMNS[:2],
+    ("ms_rounds", "ms/token, rounds' range"),
     ("tokens_per_s", "tokens/s"),
     ("vs_llama_cpp", "tokens/s vs llama.cpp"),
     *BENCH_DECODE_COLUMNS[4:],
@@ -68,16 +71,19 @@ def bench_peers(
     requests: int = 2,
     quality_text: str = "milton",
     install: bool = False,
+    rounds: int = 3,
     threads: int | None = None,
     out: Path = Path("results/bench_peers"),
     progress=print,
 ) -> dict:
     """Both tables and their notes; writes `bench_peers.md` and `.json` under `out`."""
+    if rounds < 1:
+        raise SparsegenError(f"rounds must be >= 1 (--rounds), got {rounds}")
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
     notes: list[str] = []
     folders = in_process(quantized_checkpoints, model_name, out / "checkpoints", device=DEVICE)
-    decode = _decode_rows(model_name, text, context, new_tokens, threads, folders, install, notes, progress)
+    decode = _decode_rows(model_name, text, context, new_tokens, threads, folders, install, notes, progress, rounds)
     decode = [{**bound_of(row, bandwidth), "tokens_per_s": 1e3 / row["ms"]} for row in decode]
     theirs = next((row["ms"] for row in decode if row["config"].startswith("llama.cpp")), None)
     for row in decode:
@@ -109,9 +115,13 @@ def bench_peers(
     return result
 
 
-def _decode_rows(model_name, text, context, new_tokens, threads, folders, install, notes, progress) -> list[dict]:
+def _decode_rows(
+    model_name, text, context, new_tokens, threads, folders, install, notes, progress, rounds
+) -> list[dict]:
     """Batch-1 decode rows: sparsegen's configurations (the RTN checkpoints in `folders`), then
-    llama.cpp where it runs."""
+    llama.cpp where it runs, each measured once a round for `rounds` rounds in turn (the host's
+    speed drifts by tens of percent over minutes: every configuration sees the same drift); each
+    row is its median round, with the range of its rounds."""
     from sparsegen.data import text_stretches
     from sparsegen.loading import load
 
@@ -119,25 +129,35 @@ def _decode_rows(model_name, text, context, new_tokens, threads, folders, instal
     runs += [(str(folders["int8"]), "sparsegen int8 packed", {})]
     runs += [(str(folders["int4"]), "sparsegen int4 weight-only", {})]
     runs += [(str(folders["int4"]), "sparsegen int4 integer-dot", {"activation_bits": 8})]
-    rows = []
-    for name, label, options in runs:
-        progress(f"{label}: batch 1 after {context} tokens")
-        worker = (name, text, context, new_tokens, "fp32", "full", {}, 1, threads)
-        result = in_process(fast_decode_worker, *worker, device=DEVICE, **options)
-        rows.append({"config": f"{label}, {context} ctx", **result})
     python, why = peer_python(LLAMA_CPP, install, progress)
     if python is None:
         notes.append(f"llama.cpp skipped: {why}")
-    else:
-        progress("llama.cpp on the model's GGUF")
-        prompt = text_stretches(load(model_name, device=DEVICE)[1], text, 1, context)[0]
-        theirs = llama_cpp_row(str(python), model_name, prompt, new_tokens, threads)
-        kv_mb = rows[0]["kv_mb"] / 2  # llama.cpp holds keys and values in fp16
-        rows.append({"config": f"llama.cpp {theirs['gguf']}, {context} ctx", **theirs, "kv_mb": kv_mb})
+    prompt = text_stretches(load(model_name, device=DEVICE)[1], text, 1, context)[0]
+    measured: dict[str, list[dict]] = {}
+    for round_ in range(1, rounds + 1):
+        for name, label, options in runs:
+            progress(f"{label}: batch 1 after {context} tokens (round {round_} of {rounds})")
+            worker = (name, text, context, new_tokens, "fp32", "full", {}, 1, threads)
+            result = in_process(fast_decode_worker, *worker, device=DEVICE, **options)
+            measured.setdefault(f"{label}, {context} ctx", []).append(result)
+        if python is not None:
+            progress(f"llama.cpp on the model's GGUF (round {round_} of {rounds})")
+            theirs = llama_cpp_row(str(python), model_name, prompt, new_tokens, threads)
+            measured.setdefault(f"llama.cpp {theirs['gguf']}, {context} ctx", []).append(theirs)
+    rows = [{"config": config, **_median_round(results)} for config, results in measured.items()]
+    if python is not None:
+        rows[-1]["kv_mb"] = rows[0]["kv_mb"] / 2  # llama.cpp holds keys and values in fp16
     reference = rows[0]["tokens"]
     for row in rows:
         row["same_tokens"] = f"{_leading_equal(row['tokens'], reference)}/{len(reference)}"
     return rows
+
+
+def _median_round(results: list[dict]) -> dict:
+    """The round with the median ms/token (the lower middle of an even count), and every round's range."""
+    ordered = sorted(results, key=lambda result: result["ms"])
+    middle = ordered[(len(ordered) - 1) // 2]
+    return {**middle, "ms_rounds": f"{ordered[0]['ms']:.2f}-{ordered[-1]['ms']:.2f}"}
 
 
 def _leading_equal(tokens: list[int], reference: list[int]) -> int:

@@ -346,6 +346,9 @@ def bench_peers_command(
     prompt_tokens: str = typer.Option("48,128,256,384", "--prompt-tokens", help="Server prompt lengths, in turn."),
     max_tokens: int = typer.Option(48, "--max-tokens", help="Greedy tokens per server request."),
     requests: int = typer.Option(2, "--requests", help="Requests each client sends, one after another."),
+    rounds: int = typer.Option(
+        3, "--rounds", help="Decode measurements of each configuration in turn; the median shown."
+    ),
     install: bool = typer.Option(
         False, "--install-peers", help="Make the peers' own environments with pip first (minutes, once)."
     ),
@@ -369,6 +372,7 @@ def bench_peers_command(
         max_tokens,
         requests,
         install=install,
+        rounds=rounds,
         out=out_dir,
         progress=lambda m: err.print(f"[dim]{m}[/]"),
     )
