@@ -201,7 +201,7 @@ def _serve_rows(
                 point = measure(prompts=prompts, clients=count, requests=requests, max_tokens=max_tokens)
                 measured.setdefault((server, count), []).append(point)
     for (server, count), points in measured.items():
-        if any(point["answers"] != points[0]["answers"] for point in points):
+        if any(dict(point["answers"]) != dict(points[0]["answers"]) for point in points):  # in the order they ended
             notes.append(f"{server} with {count} clients answered differently in different rounds")
     rows, answers = [], {}
     for server, count in sorted(measured, key=lambda key: (list(servers).index(key[0]), key[1])):
