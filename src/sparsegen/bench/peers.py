@@ -137,7 +137,7 @@ def _decode_rows(
     python, why = peer_python(LLAMA_CPP, install, progress)
     if python is None:
         notes.append(f"llama.cpp skipped: {why}")
-    prompt = text_stretches(load(model_name, device=DEVICE)[1], text, 1, context)[0]
+    prompt = None if python is None else text_stretches(load(model_name, device=DEVICE)[1], text, 1, context)[0]
     measured: dict[str, list[dict]] = {}
     for round_ in range(1, rounds + 1):
         for name, label, options in runs:
@@ -204,10 +204,11 @@ def _serve_rows(
         if any(dict(point["answers"]) != dict(points[0]["answers"]) for point in points):  # in the order they ended
             notes.append(f"{server} with {count} clients answered differently in different rounds")
     rows, answers = [], {}
-    for server, count in sorted(measured, key=lambda key: (list(servers).index(key[0]), key[1])):
-        point = _median_round(measured[(server, count)], "tokens_per_s", "tokens_per_s_rounds")
-        answers[(server, count)] = dict(point.pop("answers"))
-        rows.append({"server": server, "clients": count, **point})
+    for server in servers:
+        for count in (1, clients):
+            point = _median_round(measured[(server, count)], "tokens_per_s", "tokens_per_s_rounds")
+            answers[(server, count)] = dict(point.pop("answers"))
+            rows.append({"server": server, "clients": count, **point})
     with torch.inference_mode():
         alone = single_request_answers(model, tokenizer, config, prompts, max_tokens, 512)
     ours = answers[("sparsegen serve", clients)]

@@ -347,7 +347,9 @@ def bench_peers_command(
     max_tokens: int = typer.Option(48, "--max-tokens", help="Greedy tokens per server request."),
     requests: int = typer.Option(2, "--requests", help="Requests each client sends, one after another."),
     rounds: int = typer.Option(
-        3, "--rounds", help="Decode measurements of each configuration in turn; the median shown."
+        3,
+        "--rounds",
+        help="Rounds of measurements, every configuration and server in turn; each row shows its median round.",
     ),
     install: bool = typer.Option(
         False, "--install-peers", help="Make the peers' own environments with pip first (minutes, once)."
