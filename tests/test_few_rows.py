@@ -4,27 +4,45 @@ import pytest
 import torch
 
 from sparsegen import few_rows
-from sparsegen.few_rows import FLOAT_ROWS_MAX, float_rows_op, linear
+from sparsegen.few_rows import FLOAT_ROWS_MAX, float_rows_op, linear, pack_weights
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17])
-@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (7, 40), (130, 1030)])
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.sparsegen.float_rows_pack(weight)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (7, 40), (130, 1030), (49, 16)])
 def test_the_kernel_equals_the_product_in_float64(rows, out_features, in_features):
-    """Every row-tile size (1-4 and a remainder), output counts off the kernel's tile, inputs off its
-    vector width."""
+    """Every row-tile size (1-8 and a remainder), output counts off the kernel's panel width,
+    inputs off its blocks of sums."""
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
-    got = float_rows_op()(x, weight)
+    got = float_rows_op()(x, pack(weight), out_features)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [2, 5, 8, 11, 16])
+def test_a_row_comes_out_the_same_whatever_rows_share_the_call(rows):
+    """What makes a batch row equal its single run: no row's sums depend on the others."""
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 200, generator=generator), torch.randn(100, 200, generator=generator)
+    together = float_rows_op()(x, pack(weight), 100)
+    for row in range(rows):
+        assert torch.equal(float_rows_op()(x[row : row + 1].contiguous(), pack(weight), 100)[0], together[row])
+
+
 def test_the_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="weight must be fp32 \\[out, in\\]"):
-        float_rows_op()(torch.randn(2, 8), torch.randn(8, 4))
+        pack(torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="packed must be float_rows_pack's panels"):
+        float_rows_op()(torch.randn(2, 8), pack(torch.randn(4, 6)), 4)
+    with pytest.raises(RuntimeError, match="packed must be float_rows_pack's panels"):
+        float_rows_op()(torch.randn(2, 8), pack(torch.randn(4, 8)), 400)
     with pytest.raises(RuntimeError, match="x must be fp32"):
-        float_rows_op()(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8))
+        float_rows_op()(torch.randn(2, 8, dtype=torch.float64), pack(torch.randn(4, 8)), 4)
 
 
 @pytest.mark.parametrize("rows", [1, 3, FLOAT_ROWS_MAX, FLOAT_ROWS_MAX + 1, 70])
@@ -33,8 +51,8 @@ def test_linear_with_and_without_the_kernel_equals_f_linear(rows):
     beyond; a bias added and the leading shape kept either way."""
     x, weight, bias = torch.randn(1, rows, 48), torch.randn(24, 48), torch.randn(24)
     expected = torch.nn.functional.linear(x, weight, bias)
-    for op in (float_rows_op(), None):
-        torch.testing.assert_close(linear(x, weight, bias, op), expected, rtol=1e-5, atol=1e-5)
+    for packed in (pack(weight), None):
+        torch.testing.assert_close(linear(x, weight, bias, packed), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_without_a_compiler_the_patched_layers_keep_torch_products(monkeypatch):
@@ -45,8 +63,10 @@ def test_without_a_compiler_the_patched_layers_keep_torch_products(monkeypatch):
     model = build_tiny("llama", layers=1)
     ids = torch.tensor([[3, 4, 5]])
     expected = model(ids).logits
-    patched = few_rows.use_gemv(model, rows_vary=True)
+    packed = pack_weights(model)
+    patched = few_rows.use_gemv(model, rows_vary=True, packed=packed)
     try:
+        assert packed == {}
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
     finally:
         few_rows.restore_linears(patched)

@@ -21,21 +21,37 @@ FLOAT_ROWS_SOURCE = Path(__file__).parent / "decode" / "kernels" / "float_rows.c
 
 @functools.cache
 def float_rows_op() -> Callable | None:
-    """`sparsegen::float_rows_linear` (x [rows, in] fp32 times the weight [out, in], the weight read
-    once for every row: `decode/kernels/float_rows.cpp`), or None where the kernel cannot be built
-    (said once on stderr; the products stay torch's)."""
+    """`sparsegen::float_rows_linear` (x [rows, in] fp32 times a weight packed once by
+    `sparsegen::float_rows_pack`, the weight read once for every row: `decode/kernels/float_rows.cpp`),
+    or None where the kernel cannot be built (said once on stderr; the products stay torch's)."""
     if build(FLOAT_ROWS_SOURCE, "the few-row fp32 kernel") is None:
         return None
     return torch.ops.sparsegen.float_rows_linear
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, op: Callable | None = None):
+PackedWeights = dict[torch.nn.Linear, torch.Tensor]
+"""Each fp32 CPU Linear layer's weight packed for `float_rows_linear`, by `pack_weights`."""
+
+
+@torch.no_grad()
+def pack_weights(model: torch.nn.Module) -> PackedWeights:
+    """The model's fp32 CPU Linear weights in the few-row kernel's panels (a copy as large as those
+    weights: the layers keep theirs for prompt reads), or none where the kernel cannot be built.
+    A decoder packs once and hands the copies to every step (`use_gemv`, `few_row_linears`)."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.is_cpu]
+    layers = [m for m in layers if m.weight.dtype == torch.float32]
+    if not layers or float_rows_op() is None:
+        return {}
+    return {module: torch.ops.sparsegen.float_rows_pack(module.weight.detach()) for module in layers}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None):
     """`F.linear` for the decode step's few rows, where the library's own choice is far from the
     bound. On a GPU that is `F.linear` itself (cuBLAS streams near the bound). On a CPU, inside a
     compiled graph up to `GEMV_ROWS` rows become one multiply-and-sum over the
     weight rows (inductor emits a streaming reduction near the memory bus's speed: 2x the batch-1
-    `mm` kernel on this CPU). Eagerly, fp32 products of up to `FLOAT_ROWS_MAX` rows go to `op`
-    (`float_rows_op()`, where the caller passes it; weight first, `weight @ x.T`, without it: MKL
+    `mm` kernel on this CPU). Eagerly, fp32 products of up to `FLOAT_ROWS_MAX` rows go to the
+    few-row kernel over `packed` (`pack_weights`; weight first, `weight @ x.T`, without it: MKL
     streams the weight faster that way round), more rows (a prompt read between steps) to
     `prompt_linear` (docs/benchmarks.md)."""
     if not x.is_cpu:
@@ -48,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return (out if bias is None else out + bias).to(x.dtype)
     if rows > FLOAT_ROWS_MAX:
         return prompt_linear(x, weight, bias)
-    return _row_product(x, weight, bias, rows, op)
+    return _row_product(x, weight, bias, rows, packed)
 
 
 def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,47 +79,46 @@ def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, op: Callable | None):
-    """The fp32 kernel `op` where given and the tensors are fp32, else weight first (`weight @ x.T`);
+def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, packed):
+    """The fp32 kernel over `packed` where given and x is fp32, else weight first (`weight @ x.T`);
     neither asks anything of the row count."""
     flat = x.reshape(rows, x.shape[-1])
-    if op is not None and x.dtype == weight.dtype == torch.float32:
-        out = op(flat.contiguous(), weight)
+    if packed is not None and x.dtype == torch.float32:
+        out = torch.ops.sparsegen.float_rows_linear(flat.contiguous(), packed, weight.shape[0])
     else:
         out = (weight @ flat.T).T
     out = out.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
-def _forward_for(op: Callable | None, rows_vary: bool) -> Callable:
-    """The patched `forward` of a Linear layer; `op` is bound here, before any tracing, so a
-    compiled graph holds the kernel as one opaque call."""
+def _forward_for(packed: torch.Tensor | None, rows_vary: bool) -> Callable:
+    """The patched `forward` of a Linear layer; its `packed` weight is bound here, before any
+    tracing, so a compiled graph holds the kernel as one opaque call."""
 
     def few_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, op)
+        return linear(x, self.weight, self.bias, packed)
 
     def any_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         # `rows == 1` is decided without a guard: a free row count starts at 2 (one row is its own
         # graph); outside the graph (a prompt read between steps) `linear` picks by the row count
         if rows == 1 or not torch.compiler.is_compiling():
-            return linear(x, self.weight, self.bias, op)
-        return _row_product(x, self.weight, self.bias, rows, op)
+            return linear(x, self.weight, self.bias, packed)
+        return _row_product(x, self.weight, self.bias, rows, packed)
 
     return any_rows if rows_vary else few_rows
 
 
-def use_gemv(model: torch.nn.Module, rows_vary: bool = False) -> list[torch.nn.Linear]:
+def use_gemv(model: torch.nn.Module, rows_vary: bool = False, packed: PackedWeights | None = None) -> list:
     """Give every `nn.Linear` of `model` the decode step's few-row product (`linear`) until
     `restore_linears` gets the returned list: the compiled step's graph is traced through it.
     With `rows_vary` (one graph for every row count above one) those products are the fp32 kernel
-    (`float_rows_op`) or weight first, which ask nothing of the row count. The values are
-    `F.linear`'s (up to the order of the sums)."""
+    over the layer's `packed` weight (`pack_weights`) or weight first, which ask nothing of the
+    row count. The values are `F.linear`'s (up to the order of the sums)."""
+    packed = packed or {}
     patched = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
-    on_cpu_fp32 = any(m.weight.is_cpu and m.weight.dtype == torch.float32 for m in patched)
-    forward = _forward_for(float_rows_op() if on_cpu_fp32 else None, rows_vary)
     for module in patched:
-        module.forward = types.MethodType(forward, module)
+        module.forward = types.MethodType(_forward_for(packed.get(module), rows_vary), module)
     return patched
 
 
@@ -114,9 +129,9 @@ def restore_linears(patched: list[torch.nn.Linear]) -> None:
 
 
 @contextmanager
-def few_row_linears(model: torch.nn.Module):
+def few_row_linears(model: torch.nn.Module, packed: PackedWeights | None = None):
     """`use_gemv` for one eager step only: the model is left as it was given."""
-    patched = use_gemv(model)
+    patched = use_gemv(model, packed=packed)
     try:
         yield
     finally:

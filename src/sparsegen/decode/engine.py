@@ -21,7 +21,7 @@ import torch
 from sparsegen.decode.handover import slots_of, stack_layer
 from sparsegen.decode.state import StaticKV
 from sparsegen.errors import SparsegenError
-from sparsegen.few_rows import few_row_linears, restore_linears, use_gemv
+from sparsegen.few_rows import PackedWeights, few_row_linears, pack_weights, restore_linears, use_gemv
 from sparsegen.kv.attention import require_policy_attention
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy, make_policy
@@ -65,6 +65,8 @@ class Decoder:
     and the CPU's few-row product is not used. `rows_vary`: rows join and leave between steps (the
     server); the compiled step is then traced once for one row and once for any other row count and
     slot count (`StaticKV.varying`), so rows joining and leaving never compile it again.
+    `packed`: the few-row kernel's copies of the fp32 weights to share (`few_rows.pack_weights`, as
+    much memory again as those weights); made at the first CPU step when not given.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Decoder:
         prefill_chunk: int | None = None,
         kv_bits: int | None = None,
         rows_vary: bool = False,
+        packed: PackedWeights | None = None,
         **budget: int | float,
     ) -> None:
         if compile not in COMPILE_MODES:
@@ -103,6 +106,7 @@ class Decoder:
         self._steps = 0
         self._remaining = 0
         self.patched: list[torch.nn.Linear] = []
+        self.packed = packed
 
     # -- rows in, rows out ------------------------------------------------------------------
     def new_cache(self, prompt_length: int) -> PolicyCache:
@@ -225,11 +229,18 @@ class Decoder:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
         if self.device.type == "cpu":
             # kept while the compiled step lives; `release()` undoes it
-            self.patched = use_gemv(self.model, self.rows_vary)
+            self.patched = use_gemv(self.model, self.rows_vary, self._packed())
             self._step = torch.compile(self._eager, dynamic=None if self.rows_vary else False, options=LEAN_WRAPPER)
         else:  # replayed as a CUDA graph over slots marked static (recorded again when rows change)
             self._step = torch.compile(self._eager, dynamic=False, mode="reduce-overhead")
         self.mode = "compiled"
+
+    def _packed(self) -> PackedWeights:
+        """The few-row kernel's copies of the weights (`few_rows.pack_weights`), made at the first
+        CPU step unless given: a server's lanes share one set."""
+        if self.packed is None:
+            self.packed = pack_weights(self.model)
+        return self.packed
 
     def release(self) -> None:
         """Give the model back as it was given: compiling replaced its Linear layers' `forward`
@@ -252,7 +263,7 @@ class Decoder:
         if self.mode != "compiled":
             if self.device.type != "cpu":
                 return self._step(tokens, self.state)
-            with few_row_linears(self.model):
+            with few_row_linears(self.model, self._packed()):
                 return self._step(tokens, self.state)
         if self.device.type == "cuda":  # a new replay: the last step's outputs were consumed
             torch.compiler.cudagraph_mark_step_begin()

@@ -1,130 +1,180 @@
 // The fp32 product of a decode step's few rows with a linear layer's weight, streamed once.
 //
 // With 2 to 16 rows, MKL's sgemm (either way round) reads the weight at a third of the memory
-// bus's speed on these CPUs (docs/benchmarks.md, "the server's batched step"). Here each thread
-// takes a range of output features; for a tile of kOutputs weight rows it sums their dot products
-// with up to kRows input rows at once, in vector registers, the input rows tile by tile while the
-// tile's weight rows stay in L1: the weight is read from memory once for all the rows.
+// bus's speed on these CPUs (docs/benchmarks.md, "the server's batched step"). Here the weight is
+// packed once into panels of kWidth output features, input by input ([panels][in][kWidth]), so
+// each thread streams its panels front to back. For a tile of up to kRows input rows, every input
+// value is broadcast and multiplied into the panel's kWidth sums of each row: the weight is read
+// from memory once for all the rows, and no sum is split across vector lanes, so a row's result
+// never depends on the other rows in the call. Sums run in blocks of kBlock inputs, added into the
+// output between blocks (a bounded rounding error, as a blocked sum).
 //
-//   x [rows, in] fp32, weight [out, in] fp32 (nn.Linear's layout) -> [rows, out] fp32.
+//   float_rows_pack(weight [out, in]) -> packed [ceil(out / kWidth), in, kWidth] (zero padded)
+//   float_rows_linear(x [rows, in], packed, out) -> [rows, out]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 using Vec = __m512;
 constexpr int64_t kLanes = 16;
-constexpr int kOutputs = 6;  // 24 accumulators, 6 weight vectors and an input one: 31 of 32 registers
+constexpr int kVectors = 3;  // 8 rows x 3 vectors = 24 sums, 3 weight vectors and a broadcast: 28 of 32 registers
+constexpr int kRows = 8;
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
-constexpr int kOutputs = 2;  // 8 accumulators of 16 registers
+constexpr int kVectors = 3;  // 4 rows x 3 vectors = 12 sums of 16 registers
+constexpr int kRows = 4;
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float total(Vec v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
 #else
 #define SPARSEGEN_PLAIN 1
-constexpr int kOutputs = 1;
+constexpr int64_t kLanes = 8;
+constexpr int kVectors = 1;
+constexpr int kRows = 4;
 #endif
 
 namespace {
 
-constexpr int kRows = 4;
+constexpr int64_t kWidth = kLanes * kVectors;
+constexpr int64_t kBlock = 64;
+constexpr int64_t kPrefetch = 32 * kWidth;  // floats ahead, for one or two rows (more rows hide the latency)
 
-// out[r][o] for outputs [o0, o0 + kO) and rows [r0, r0 + kR).
-template <int kO, int kR>
-void tile(const float* x, const float* w, int64_t in, int64_t out_features, int64_t o0, int64_t r0, float* out) {
+// sums[r][0, kWidth) = x[r0 + r, :] . panel for rows [r0, r0 + kR).
+template <int kR>
+void tile(const float* x, const float* panel, int64_t in, int64_t r0, bool prefetch, float* sums) {
 #ifdef SPARSEGEN_PLAIN
-  for (int i = 0; i < kO; ++i)
-    for (int k = 0; k < kR; ++k) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < in; ++j) sum += w[(o0 + i) * in + j] * x[(r0 + k) * in + j];
-      out[(r0 + k) * out_features + o0 + i] = sum;
-    }
-#else
-  Vec acc[kO][kR];
-  for (int i = 0; i < kO; ++i)
-    for (int k = 0; k < kR; ++k) acc[i][k] = zero();
-  const int64_t whole = in - in % kLanes;
-  for (int64_t j = 0; j < whole; j += kLanes) {
-    Vec wv[kO];
-#pragma GCC unroll 8
-    for (int i = 0; i < kO; ++i) {
-      wv[i] = load(w + (o0 + i) * in + j);
-      // the next tile's rows, on the first input tile only, into L2 (into L1 they came 15-20%
-      // slower here: docs/benchmarks.md); past the weight's end on the last tile: a prefetch is a
-      // hint and never faults
-      if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (o0 + kO + i) * in + j), _MM_HINT_T1);
-    }
-#pragma GCC unroll 8
-    for (int k = 0; k < kR; ++k) {
-      const Vec xv = load(x + (r0 + k) * in + j);
-#pragma GCC unroll 8
-      for (int i = 0; i < kO; ++i) acc[i][k] = fma(wv[i], xv, acc[i][k]);
-    }
+  std::fill(sums, sums + kR * kWidth, 0.f);
+  for (int64_t b = 0; b < in; b += kBlock) {
+    float part[kR][kWidth] = {};
+    for (int64_t j = b; j < std::min(in, b + kBlock); ++j)
+      for (int r = 0; r < kR; ++r)
+        for (int64_t o = 0; o < kWidth; ++o) part[r][o] += x[(r0 + r) * in + j] * panel[j * kWidth + o];
+    for (int r = 0; r < kR; ++r)
+      for (int64_t o = 0; o < kWidth; ++o) sums[r * kWidth + o] += part[r][o];
   }
-  for (int i = 0; i < kO; ++i)
-    for (int k = 0; k < kR; ++k) {
-      float sum = total(acc[i][k]);
-      for (int64_t j = whole; j < in; ++j) sum += w[(o0 + i) * in + j] * x[(r0 + k) * in + j];
-      out[(r0 + k) * out_features + o0 + i] = sum;
+#else
+  for (int64_t b = 0; b < in; b += kBlock) {
+    Vec acc[kR][kVectors];
+    for (int r = 0; r < kR; ++r)
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = zero();
+    for (int64_t j = b; j < std::min(in, b + kBlock); ++j) {
+      const float* w = panel + j * kWidth;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+      Vec wv[kVectors];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) wv[v] = load(w + v * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < kR; ++r) {
+        const Vec xv = broadcast(x[(r0 + r) * in + j]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kVectors; ++v) acc[r][v] = fma(wv[v], xv, acc[r][v]);
+      }
     }
+    for (int r = 0; r < kR; ++r)
+      for (int v = 0; v < kVectors; ++v) {
+        float* s = sums + r * kWidth + v * kLanes;
+        store(s, b == 0 ? acc[r][v] : add(load(s), acc[r][v]));
+      }
+  }
 #endif
 }
 
-template <int kO>
-void outputs(const float* x, const float* w, int64_t rows, int64_t in, int64_t out_features, int64_t o0, float* out) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {  // the kO weight rows stay in L1 across row tiles
-    switch (std::min<int64_t>(kRows, rows - r0)) {
-      case 1: tile<kO, 1>(x, w, in, out_features, o0, r0, out); break;
-      case 2: tile<kO, 2>(x, w, in, out_features, o0, r0, out); break;
-      case 3: tile<kO, 3>(x, w, in, out_features, o0, r0, out); break;
-      default: tile<kO, kRows>(x, w, in, out_features, o0, r0, out); break;
+// out[:, o0, o0 + width) for every row, from one panel.
+void panel_rows(const float* x, const float* panel, int64_t rows, int64_t in, int64_t out_features, int64_t o0,
+                float* out) {
+  float sums[kRows * kWidth];
+  const int64_t width = std::min(kWidth, out_features - o0);
+  const bool prefetch = rows <= 2;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t count = std::min<int64_t>(kRows, rows - r0);
+    switch (count) {
+      case 1: tile<1>(x, panel, in, r0, prefetch, sums); break;
+      case 2: tile<2>(x, panel, in, r0, prefetch, sums); break;
+      case 3: tile<3>(x, panel, in, r0, prefetch, sums); break;
+#if !defined(SPARSEGEN_PLAIN) && defined(__AVX512F__)
+      case 4: tile<4>(x, panel, in, r0, prefetch, sums); break;
+      case 5: tile<5>(x, panel, in, r0, prefetch, sums); break;
+      case 6: tile<6>(x, panel, in, r0, prefetch, sums); break;
+      case 7: tile<7>(x, panel, in, r0, prefetch, sums); break;
+#endif
+      default: tile<kRows>(x, panel, in, r0, prefetch, sums); break;
     }
+    for (int64_t r = 0; r < count; ++r)
+      std::memcpy(out + (r0 + r) * out_features + o0, sums + r * kWidth, width * sizeof(float));
   }
 }
 
 }  // namespace
 
-torch::Tensor float_rows_linear(torch::Tensor x, torch::Tensor weight) {
+torch::Tensor float_rows_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.dim() == 2,
+              "float_rows_pack: weight must be fp32 [out, in]");
+  const auto source = weight.contiguous();
+  const int64_t out_features = source.size(0), in = source.size(1);
+  const int64_t panels = (out_features + kWidth - 1) / kWidth;
+  auto packed = torch::empty({panels, in, kWidth}, source.options());
+  const float* from = source.data_ptr<float>();
+  float* to = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p)
+      for (int64_t j = 0; j < in; ++j) {  // the panel's line for input j, from its rows' column j
+        float* line = to + (p * in + j) * kWidth;
+        for (int64_t o = 0; o < kWidth; ++o) {
+          const int64_t row = p * kWidth + o;
+          line[o] = row < out_features ? from[row * in + j] : 0.f;
+        }
+      }
+  });
+  return packed;
+}
+
+torch::Tensor float_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
               "float_rows_linear: x must be fp32 [rows, in], contiguous");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.size(1) == x.size(1),
-              "float_rows_linear: weight must be fp32 [out, in], contiguous, with x's in");
-  const int64_t rows = x.size(0), in = x.size(1), out_features = weight.size(0);
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) && packed.size(2) == kWidth &&
+                  packed.size(0) == (out_features + kWidth - 1) / kWidth,
+              "float_rows_linear: packed must be float_rows_pack's panels of a weight with x's in and out_features");
+  const int64_t rows = x.size(0), in = x.size(1), panels = packed.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t tiles = out_features / kOutputs;
-  at::parallel_for(0, tiles, 8, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) outputs<kOutputs>(xp, wp, rows, in, out_features, t * kOutputs, op);
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) panel_rows(xp, wp + p * in * kWidth, rows, in, out_features, p * kWidth, op);
   });
-  for (int64_t o = tiles * kOutputs; o < out_features; ++o) outputs<1>(xp, wp, rows, in, out_features, o, op);
   return out;
 }
 
-// The shape alone, for tracing: a compiled step keeps the op as one opaque call, for any row count.
-torch::Tensor float_rows_linear_meta(torch::Tensor x, torch::Tensor weight) {
-  return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
+// The shapes alone, for tracing: a compiled step keeps the op as one opaque call, for any row count.
+torch::Tensor float_rows_linear_meta(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  return at::empty_symint({x.sym_size(0), c10::SymInt(out_features)}, x.options());
 }
 
 // Registered with the dispatcher from C++, so a call costs no Python.
-TORCH_LIBRARY_FRAGMENT(sparsegen, m) { m.def("float_rows_linear(Tensor x, Tensor weight) -> Tensor"); }
-TORCH_LIBRARY_IMPL(sparsegen, CPU, m) { m.impl("float_rows_linear", &float_rows_linear); }
+TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
+  m.def("float_rows_pack(Tensor weight) -> Tensor");
+  m.def("float_rows_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
+  m.impl("float_rows_pack", &float_rows_pack);
+  m.impl("float_rows_linear", &float_rows_linear);
+}
 TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("float_rows_linear", &float_rows_linear_meta); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
