@@ -253,10 +253,7 @@ def serve(
     ),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for KV memory; more get a 429."),
     prefill_chunk: int = typer.Option(
-        512, "--prefill-chunk", help="A long prompt's tokens read between decode steps (bounds other clients' stall)."
-    ),
-    pack_tokens: int = typer.Option(
-        2048, "--pack-tokens", help="Short prompts that wait together, up to this many tokens, read in one forward."
+        512, "--prefill-chunk", help="Prompt tokens read between decode steps (bounds other clients' stall)."
     ),
     max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
     kv_bits: int | None = KvBitsOpt,
@@ -284,7 +281,6 @@ def serve(
         max_kv_bytes=max_kv_mb << 20,
         max_tokens_limit=max_tokens_limit,
         prefill_chunk=prefill_chunk,
-        pack_tokens=pack_tokens,
         max_queue=max_queue,
         device=device,
         kv_bits=kv_bits,

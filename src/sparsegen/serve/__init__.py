@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from sparsegen.serve.app import create_app
-from sparsegen.serve.batching import PACK_TOKENS, Engine, Job
+from sparsegen.serve.batching import Engine, Job
 
 __all__ = ["Engine", "Job", "build_app", "create_app"]
 
@@ -18,7 +18,6 @@ def build_app(
     max_kv_bytes: int = 1 << 30,
     max_tokens_limit: int = 4096,
     prefill_chunk: int = 512,
-    pack_tokens: int = PACK_TOKENS,
     max_queue: int = 64,
     device: str | None = None,
     kv_bits: int | None = None,
@@ -31,10 +30,8 @@ def build_app(
     policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
     and held conversation (counted in `kv_bits` where a request holds its KV rounded); up to
     `max_queue` requests wait for room, later ones get a 429. `activation_bits=8` loads an int4
-    checkpoint with integer-dot products (`sparsegen.load`). A long prompt is read `prefill_chunk`
-    tokens per forward; short ones that wait together, up to `pack_tokens` in one. `compile=True`
-    compiles the batched decode step before serving (`Engine`): minutes the first time, about a
-    minute from the cache.
+    checkpoint with integer-dot products (`sparsegen.load`). `compile=True` compiles the batched
+    decode step before serving (`Engine`): minutes the first time, about a minute from the cache.
     """
     from sparsegen.loading import load
 
@@ -48,7 +45,6 @@ def build_app(
         budget,
         max_kv_bytes=max_kv_bytes,
         prefill_chunk=prefill_chunk,
-        pack_tokens=pack_tokens,
         max_queue=max_queue,
         kv_bits=kv_bits,
         compile=compile,

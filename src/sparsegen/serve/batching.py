@@ -2,13 +2,13 @@
 
 Every request is a `Job`. The worker thread admits jobs while their KV fits `max_kv_bytes`
 (`serve.admission`: the rest wait in a bounded queue), reads each admitted prompt into a policy
-cache one chunk per iteration (new prompts that wait together, each within one chunk, up to
-`pack_tokens` in one packed forward: `kv.stream.read_packed`), and then makes it a row of a
-`Lane`: the rows that share a KV policy, decoded together by one `Decoder`, one step for all of
-them per iteration. Rows join after their prefill and leave when done (stop token, stop string,
-`max_tokens`, a client gone) between steps; a long prompt delays other rows' tokens by at most
-one chunk, short ones by one pack (a policy that compresses the prompt once reads a new prompt
-whole, so its choice sees all of it; a cancel still stops that read within one decoder layer).
+cache one chunk per iteration (new prompts that wait together and fit one chunk in one packed
+forward: `kv.stream.read_packed`), and then makes it a row of a `Lane`: the rows that share a KV
+policy, decoded together by one `Decoder`, one step for all of them per iteration. Rows join after
+their prefill and leave when done (stop token, stop string, `max_tokens`, a client gone) between
+steps; a long prompt delays other rows' tokens by at most one chunk (a policy that compresses the
+prompt once reads a new prompt whole, so its choice sees all of it; a cancel still stops that read
+within one decoder layer).
 
 Chat answers leave their cache held between requests (`serve.conversations`), counted against
 the same KV memory. With `compile=True` the default lane's step (the server's own policy and
@@ -32,7 +32,7 @@ from prometheus_client import generate_latest
 
 from sparsegen.decode import Decoder
 from sparsegen.errors import SparsegenError
-from sparsegen.few_rows import pack_weights
+from sparsegen.few_rows import PackedWeights, pack_weights
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy, make_policy
@@ -46,11 +46,6 @@ from sparsegen.serve.events import Done, Failed, PromptLogprobs, prompt_entries,
 from sparsegen.serve.jobs import Job, Lane
 from sparsegen.serve.metrics import Metrics
 
-PACK_TOKENS = 2048
-"""Prompt tokens read together in one packed forward (vLLM's CPU server batches as many a forward):
-the products of a 48-384-token read run at half to three quarters of those of a 1,000-token one
-here, and each forward stalls the decoding rows once (docs/benchmarks.md, eleventh session)."""
-
 
 class Engine:
     """Owns the model, the batch and the conversations; `submit()` is safe from any thread."""
@@ -63,7 +58,6 @@ class Engine:
         budget: dict | None = None,
         max_kv_bytes: int = 1 << 30,
         prefill_chunk: int = 512,
-        pack_tokens: int = PACK_TOKENS,
         max_queue: int = 64,
         kv_bits: int | None = None,
         compile: bool = False,
@@ -74,10 +68,8 @@ class Engine:
         self.compile = compile and self.device.type == "cpu"
         self.kv_bits = checked_bits(kv_bits)  # a bad width fails now, not at the first request
         self.policy, self.budget = policy, budget or {}
-        if prefill_chunk < 1 or pack_tokens < 1:
-            raise SparsegenError(f"prefill_chunk and pack_tokens must be >= 1, got {prefill_chunk} and {pack_tokens}")
-        self.prefill_chunk, self.pack_tokens = prefill_chunk, pack_tokens
-        self.packed = pack_weights(model)  # one copy for every lane's decoder
+        self.prefill_chunk = prefill_chunk
+        self.packed: PackedWeights = {}  # the few-row kernel's weights, one copy for every lane (packed in `_loop`)
         self.metrics = Metrics()
         self.kv_policy(policy, self.budget)  # bad settings fail now, not at the first request
         self.sampling = sampling_defaults(model)
@@ -143,6 +135,7 @@ class Engine:
     def _loop(self) -> None:
         with policy_attention(self.model):  # while the engine runs; the model's own attention after close()
             try:  # here, not in the caller's thread: a second thread's OpenMP team halves the step's speed
+                self.packed = pack_weights(self.model)
                 if self.compile:
                     self._warm()
             except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
@@ -238,13 +231,12 @@ class Engine:
             self._guarded(job, partial(self._after_read, logits=row))
 
     def _packable_group(self) -> list[Job]:
-        """The waiting jobs, first one first, whose whole prompts (each within one `prefill_chunk`)
-        fit `pack_tokens` together and read packed (`kv.stream.packable`, no prompt logprobs
-        asked); empty when the first cannot, so no prompt overtakes it."""
-        group, room = [], self.pack_tokens
+        """The waiting jobs, first one first, whose whole prompts fit one `prefill_chunk` together
+        and read packed (`kv.stream.packable`, no prompt logprobs asked); empty when the first
+        cannot, so no prompt overtakes it."""
+        group, room = [], self.prefill_chunk
         for job in self.prefilling:
-            whole = len(job.to_read) <= min(room, self.prefill_chunk)
-            if not job.echo and whole and packable(job.cache) and not job.cancelled.is_set():
+            if not job.echo and len(job.to_read) <= room and packable(job.cache) and not job.cancelled.is_set():
                 group.append(job)
                 room -= len(job.to_read)
             elif not group:
