@@ -35,10 +35,15 @@ def products() -> None:
 
     op = float_rows_op()
     layers = [[torch.randn(o, i) for o, i in SHAPES] for _ in range(30)]
+    packed = {id(w): torch.ops.sparsegen.float_rows_pack(w) for layer in layers for w in layer}
     megabytes = sum(o * i for o, i in SHAPES) * 30 * 4 / 1e6
     for rows in (1, 2, 4, 8, 16):
         inputs = {size: torch.randn(rows, size) for size in (576, 1536)}
-        ways = {"F.linear": torch.nn.functional.linear, "weight @ x.T": lambda x, w: w @ x.T, "float_rows_linear": op}
+        ways = {
+            "F.linear": torch.nn.functional.linear,
+            "weight @ x.T": lambda x, w: w @ x.T,
+            "float_rows_linear": lambda x, w: op(x, packed[id(w)], w.shape[0]),
+        }
         cells = []
         for name, product in ways.items():
             ms = best_ms(lambda p=product, x=inputs: [p(x[w.shape[1]], w) for layer in layers for w in layer])

@@ -229,7 +229,8 @@ class Decoder:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
         if self.device.type == "cpu":
             # kept while the compiled step lives; `release()` undoes it
-            self.patched = use_gemv(self.model, self.rows_vary, self._packed())
+            # the compiled graph reads the few-row kernel's packed weights only for a varying row count
+            self.patched = use_gemv(self.model, self.rows_vary, self._packed() if self.rows_vary else None)
             self._step = torch.compile(self._eager, dynamic=None if self.rows_vary else False, options=LEAN_WRAPPER)
         else:  # replayed as a CUDA graph over slots marked static (recorded again when rows change)
             self._step = torch.compile(self._eager, dynamic=False, mode="reduce-overhead")
