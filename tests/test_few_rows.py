@@ -72,10 +72,13 @@ def test_without_a_compiler_the_patched_layers_keep_torch_products(monkeypatch):
         few_rows.restore_linears(patched)
 
 
-def test_prompt_products_keep_their_gradient():
-    """Above 16 rows the product is oneDNN's, which has no gradient: with one wanted it is F.linear's."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_prompt_products_keep_their_gradient(packed):
+    """Above 16 rows the product is oneDNN's, and with packed weights the kernel's at any row count;
+    neither has a gradient: with one wanted it is F.linear's."""
     x, weight = torch.randn(20, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
-    linear(x, weight).sum().backward()
+    panels = pack(weight.detach()) if packed else None
+    linear(x, weight, packed=panels).sum().backward()
     torch.testing.assert_close(x.grad, weight.sum(0).expand(20, 8))
     with torch.no_grad():
         torch.testing.assert_close(linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)

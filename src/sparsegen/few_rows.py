@@ -15,7 +15,7 @@ from sparsegen.native import build
 
 GEMV_ROWS = 4
 FLOAT_ROWS_MAX = 16
-"""Rows up to which eager fp32 products use `float_rows_linear` (beyond, `prompt_linear`)."""
+"""Rows up to which eager products without packed weights go weight first (beyond, `prompt_linear`)."""
 FLOAT_ROWS_SOURCE = Path(__file__).parent / "decode" / "kernels" / "float_rows.cpp"
 
 
@@ -50,10 +50,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bound. On a GPU that is `F.linear` itself (cuBLAS streams near the bound). On a CPU, inside a
     compiled graph up to `GEMV_ROWS` rows become one multiply-and-sum over the
     weight rows (inductor emits a streaming reduction near the memory bus's speed: 2x the batch-1
-    `mm` kernel on this CPU). Eagerly, fp32 products of up to `FLOAT_ROWS_MAX` rows go to the
-    few-row kernel over `packed` (`pack_weights`; weight first, `weight @ x.T`, without it: MKL
-    streams the weight faster that way round), more rows (a prompt read between steps) to
-    `prompt_linear` (docs/benchmarks.md)."""
+    `mm` kernel on this CPU). Eagerly, fp32 products go to the kernel over the layer's `packed`
+    weight (`pack_weights`) at any row count, a prompt read between steps too (it beats oneDNN
+    from 3 to 2,048 rows here, by 44% at 48: docs/benchmarks.md), unless a gradient is wanted.
+    Without it, up to `FLOAT_ROWS_MAX` rows go weight first (`weight @ x.T`: MKL streams the
+    weight faster that way round), more to `prompt_linear`."""
     if not x.is_cpu:
         return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
@@ -62,7 +63,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.nn.functional.linear(x, weight, bias)
         out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
         return (out if bias is None else out + bias).to(x.dtype)
-    if rows > FLOAT_ROWS_MAX:
+    if packed is not None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        packed = None  # the kernel has no gradient
+    if rows > FLOAT_ROWS_MAX and packed is None:
         return prompt_linear(x, weight, bias)
     return _row_product(x, weight, bias, rows, packed)
 
