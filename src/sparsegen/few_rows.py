@@ -36,8 +36,9 @@ PackedWeights = dict[torch.nn.Linear, torch.Tensor]
 @torch.no_grad()
 def pack_weights(model: torch.nn.Module) -> PackedWeights:
     """The model's fp32 CPU Linear weights in the few-row kernel's panels (a copy as large as those
-    weights: the layers keep theirs for prompt reads), or none where the kernel cannot be built.
-    A decoder packs once and hands the copies to every step (`use_gemv`, `few_row_linears`)."""
+    weights: the layers keep theirs for their own forward and gradients), or none where the kernel
+    cannot be built. A decoder packs once, at its first step, and hands the copies to every step
+    (`use_gemv`, `few_row_linears`): weights changed after that are not seen by its products."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.is_cpu]
     layers = [m for m in layers if m.weight.dtype == torch.float32]
     if not layers or float_rows_op() is None:
@@ -46,15 +47,15 @@ def pack_weights(model: torch.nn.Module) -> PackedWeights:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None):
-    """`F.linear` for the decode step's few rows, where the library's own choice is far from the
-    bound. On a GPU that is `F.linear` itself (cuBLAS streams near the bound). On a CPU, inside a
-    compiled graph up to `GEMV_ROWS` rows become one multiply-and-sum over the
-    weight rows (inductor emits a streaming reduction near the memory bus's speed: 2x the batch-1
-    `mm` kernel on this CPU). Eagerly, fp32 products go to the kernel over the layer's `packed`
-    weight (`pack_weights`) at any row count, a prompt read between steps too (it beats oneDNN
-    from 3 to 2,048 rows here, by 44% at 48: docs/benchmarks.md), unless a gradient is wanted.
-    Without it, up to `FLOAT_ROWS_MAX` rows go weight first (`weight @ x.T`: MKL streams the
-    weight faster that way round), more to `prompt_linear`."""
+    """`F.linear` for a decode step's rows (and, over packed weights, the prompt reads between
+    steps), where the library's own choice is far from the bound. On a GPU that is `F.linear`
+    itself (cuBLAS streams near the bound). On a CPU, inside a compiled graph up to `GEMV_ROWS`
+    rows become one multiply-and-sum over the weight rows (inductor emits a streaming reduction
+    near the memory bus's speed: 2x the batch-1 `mm` kernel on this CPU). Eagerly, fp32 products
+    go to the kernel over the layer's `packed` weight (`pack_weights`) at any row count (it beats
+    oneDNN from 3 to 2,048 rows here, by 44% at 48: docs/benchmarks.md), unless a gradient is
+    wanted. Without it, up to `FLOAT_ROWS_MAX` rows go weight first (`weight @ x.T`: MKL streams
+    the weight faster that way round), more to `prompt_linear`."""
     if not x.is_cpu:
         return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
