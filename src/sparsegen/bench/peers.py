@@ -201,7 +201,7 @@ def _serve_rows(
                 point = measure(prompts=prompts, clients=count, requests=requests, max_tokens=max_tokens)
                 measured.setdefault((server, count), []).append(point)
     for (server, count), points in measured.items():
-        if any(dict(point["answers"]) != dict(points[0]["answers"]) for point in points):  # in the order they ended
+        if any(dict(point["answers"]) != dict(points[0]["answers"]) for point in points):  # by prompt
             notes.append(f"{server} with {count} clients answered differently in different rounds")
     rows, answers = [], {}
     for server in servers:
