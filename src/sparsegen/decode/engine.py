@@ -245,9 +245,11 @@ class Decoder:
 
     def release(self) -> None:
         """Give the model back as it was given: compiling replaced its Linear layers' `forward`
-        (the graph is traced through the few-row product). The decoder steps eagerly after this."""
+        (the graph is traced through the few-row product), and drop the packed weights' copy. The
+        decoder steps eagerly after this (packing again if it does)."""
         restore_linears(self.patched)
         self.patched, self._step, self.mode, self.compile = [], self._eager, "eager", "never"
+        self.packed = None
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ class Engine:
         self._thread.join(timeout=10)
         for lane in self.lanes.values():  # a compiled lane changed the model's Linear layers: undone
             lane.decoder.release()
+        self.packed = {}  # the weights' packed copy goes with the engine
 
     def held_kv_bytes(self) -> int:
         """KV bytes counted against the cap: admitted rows (at their full need) and held conversations."""
