@@ -1,0 +1,77 @@
+"""Linear layers that run a GGUF file's quantized tensors in their own block formats.
+
+A GGUF weight is a row-major run of ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 over 32 inputs;
+Q4_K, Q5_K, Q6_K over 256), each block its own scales. `GGUFLinear` keeps those bytes as they are
+in the file, one row of blocks per output, and multiplies them as llama.cpp's CPU products do: each
+input row rounded to int8 (Q8_0 per 32 inputs for the 32-blocks, Q8_K per 256 for the K-quants)
+and summed as integers against the weight's own codes (`quant/kernels/gguf_dot.cpp`). The weights
+are never dequantized and quantized again: the model is the file's model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from sparsegen.errors import SparsegenError
+from sparsegen.native import build
+from sparsegen.quant.int_dot import IntegerDotLinear
+
+SOURCE = Path(__file__).parent / "kernels" / "gguf_dot.cpp"
+KERNEL_TYPES = tuple(
+    GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+)
+"""The block formats the integer-dot kernel reads; other quantized tensors are dequantized at load."""
+
+
+def _extension():
+    return build(SOURCE, "the GGUF block kernels")
+
+
+def kernels_ready() -> bool:
+    """Whether the block kernels are built (and their op registered) on this machine."""
+    return _extension() is not None
+
+
+def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes one output row of `in_features` inputs takes in `qtype`'s blocks."""
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    if in_features % per_block:
+        raise SparsegenError(f"{qtype.name} blocks hold {per_block} inputs; a row of {in_features} does not divide")
+    return in_features // per_block * block_bytes
+
+
+class GGUFLinear(IntegerDotLinear):
+    """A Linear whose weight is a GGUF tensor's blocks [out, row bytes] in `qtype`, run as integer dots."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, bias=None) -> None:
+        if qtype not in KERNEL_TYPES:
+            raise SparsegenError(f"{qtype.name} tensors have no block kernel: formats {[t.name for t in KERNEL_TYPES]}")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, in_features):
+            raise SparsegenError(f"{qtype.name} blocks for {in_features} inputs must be uint8 [out, {row_bytes(qtype, in_features)}]")
+        super().__init__(in_features, blocks.shape[0], bias)
+        self.qtype = qtype
+        self.register_buffer("blocks", blocks.contiguous())
+
+    def integer_product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsegen.gguf_linear(flat, self.blocks, int(self.qtype), self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not kernels_ready():  # no compiler: the float weight, decoded each call (slow, exact)
+            out = torch.nn.functional.linear(x.float(), self.weight()).to(x.dtype)
+            return out if self.bias is None else out + self.bias
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        out = self.integer_product(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def weight(self) -> torch.Tensor:
+        """The float weight [out, in] the blocks hold (gguf's own numpy decoder)."""
+        decoded = dequantize(self.blocks.cpu().numpy(), self.qtype).reshape(self.out_features, self.in_features)
+        return torch.from_numpy(np.ascontiguousarray(decoded, dtype=np.float32)).to(self.blocks.device)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, GGUF {self.qtype.name} blocks x int8 integer dot"
