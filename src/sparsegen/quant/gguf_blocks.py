@@ -55,13 +55,14 @@ class GGUFLinear(IntegerDotLinear):
             raise SparsegenError(f"{qtype.name} blocks for {in_features} inputs must be uint8 [out, {row_bytes(qtype, in_features)}]")
         super().__init__(in_features, blocks.shape[0], bias)
         self.qtype = qtype
+        self.on_kernel = kernels_ready()  # else the float weight, decoded each call (slow, exact)
         self.register_buffer("blocks", blocks.contiguous())
 
     def integer_product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.sparsegen.gguf_linear(flat, self.blocks, int(self.qtype), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not kernels_ready():  # no compiler: the float weight, decoded each call (slow, exact)
+        if not self.on_kernel:
             out = torch.nn.functional.linear(x.float(), self.weight()).to(x.dtype)
             return out if self.bias is None else out + self.bias
         flat = x.reshape(-1, self.in_features).float().contiguous()
