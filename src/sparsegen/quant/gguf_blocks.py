@@ -51,8 +51,9 @@ class GGUFLinear(IntegerDotLinear):
     def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, bias=None) -> None:
         if qtype not in KERNEL_TYPES:
             raise SparsegenError(f"{qtype.name} tensors have no block kernel: formats {[t.name for t in KERNEL_TYPES]}")
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, in_features):
-            raise SparsegenError(f"{qtype.name} blocks for {in_features} inputs must be uint8 [out, {row_bytes(qtype, in_features)}]")
+        width = row_bytes(qtype, in_features)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width:
+            raise SparsegenError(f"{qtype.name} blocks for {in_features} inputs must be uint8 [out, {width}]")
         super().__init__(in_features, blocks.shape[0], bias)
         self.qtype = qtype
         self.on_kernel = kernels_ready()  # else the float weight, decoded each call (slow, exact)
