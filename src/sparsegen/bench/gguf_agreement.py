@@ -37,7 +37,8 @@ def llama_cpp_choices(python: str, gguf: Path, ids: list[int], threads: int) -> 
     with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
         json.dump(ids, handle)
         handle.flush()
-        done = subprocess.run([python, str(worker), str(gguf), handle.name, str(threads)], capture_output=True, text=True)
+        command = [python, str(worker), str(gguf), handle.name, str(threads)]
+        done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise SparsegenError(f"llama.cpp failed under {python} ({last}); is llama-cpp-python installed there?")
