@@ -95,7 +95,7 @@ def test_gguf_agreement_counts_equal_choices_and_each_perplexity():
 
     import pytest
 
-    from sparsegen.bench.gguf_agreement import agreement
+    from sparsegen.bench.same_gguf import agreement
     from sparsegen.errors import SparsegenError
 
     ours = {"top1": [1, 2, 3, 4], "nll": [0.5, 1.0, 1.5, 2.0]}

@@ -1,8 +1,9 @@
 """llama.cpp's decode speed on a GGUF file, run by `sparsegen bench decode --llama-cpp PYTHON` under
 that other interpreter (where llama-cpp-python is installed), so it imports nothing of sparsegen.
 
-Usage: PYTHON llamacpp_worker.py GGUF PROMPT_IDS.json NEW_TOKENS THREADS -> one JSON line on stdout:
-ms per greedy decode step after the prompt, prefill seconds, the tokens, peak RSS.
+Usage: PYTHON llamacpp_worker.py GGUF PROMPT_IDS.json NEW_TOKENS THREADS [FLASH] -> one JSON line on
+stdout: ms per greedy decode step after the prompt, prefill seconds, the tokens, peak RSS. FLASH "1"
+turns llama.cpp's flash attention on (off by default, as the binding has it).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ def main() -> None:
     from llama_cpp import Llama
 
     gguf, ids_file, new_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    flash = len(sys.argv) > 5 and sys.argv[5] == "1"
     with open(ids_file) as handle:
         prompt = json.load(handle)
+    size = len(prompt) + new_tokens + 8
     model = Llama(
-        gguf, n_ctx=len(prompt) + new_tokens + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False
+        gguf, n_ctx=size, n_threads=threads, n_threads_batch=threads, n_batch=512, flash_attn=flash, verbose=False
     )
     started = time.perf_counter()
     model.eval(prompt)
@@ -41,7 +44,7 @@ def main() -> None:
         started = time.perf_counter()
         model.eval([token])
         steps.append(time.perf_counter() - started)
-    timed = sorted(steps[2:])  # the first steps warm caches
+    timed = sorted(steps[2:]) or [float("nan")]  # the first steps warm caches
     print(
         json.dumps(
             {

@@ -69,19 +69,28 @@ def integer_dot_quality_worker(folder: str, text: str, tokens: int, threads: int
     return {**result, "ppl_change": result["ppl_integer_dot"] / result["ppl_weight_only"] - 1, "tokens": tokens}
 
 
-def llama_cpp_row(python: str, model_name: str, prompt: list[int], new_tokens: int, threads: int) -> dict:
-    """llama.cpp decoding the model's own GGUF after `prompt`, in the interpreter `python`."""
+def llama_cpp_row(
+    python: str,
+    model_name: str,
+    prompt: list[int],
+    new_tokens: int,
+    threads: int,
+    gguf: Path | None = None,
+    flash: bool = False,
+) -> dict:
+    """llama.cpp decoding a GGUF (`gguf`, else the model's own file) after `prompt`, in the
+    interpreter `python`, with its flash attention on or off."""
     from gguf import GGUFReader
 
     from sparsegen.loading import gguf_file
 
-    path = gguf_file(model_name)
+    path = gguf or gguf_file(model_name)
     worker = Path(__file__).with_name("llamacpp_worker.py")
     with tempfile.NamedTemporaryFile("w", suffix=".json") as ids:
         json.dump(prompt, ids)
         ids.flush()
         done = subprocess.run(
-            [python, str(worker), str(path), ids.name, str(new_tokens), str(threads)],
+            [python, str(worker), str(path), ids.name, str(new_tokens), str(threads), "1" if flash else "0"],
             capture_output=True,
             text=True,
         )
