@@ -38,7 +38,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "sparsegen"
-LAYERS = (
+LAYERS = (  # top row first: docs/architecture.md draws the same table
     "__main__.py",
     "cli/",
     "__init__.py  catalog.py",
@@ -154,17 +154,18 @@ def unit_of(module: str, layers: tuple[str, ...]) -> tuple[int, str] | None:
 
 def back_arrows(modules: list[str], imports: list[Import], layers: tuple[str, ...]) -> list[str]:
     """Modules no row holds, and imports of a unit on the importer's row or above it."""
-    problems = [f"src/sparsegen/{m}: on no row of the layers: add it to LAYERS and docs/architecture.md"
-                for m in modules if unit_of(m, layers) is None]  # fmt: skip
+    unplaced = [module for module in modules if unit_of(module, layers) is None]
+    out = [f"src/sparsegen/{m}: on no row of the layers: add it to LAYERS and docs/architecture.md" for m in unplaced]
     for found in imports:
         (row, unit), (target_row, target_unit) = unit_of(found.source, layers), unit_of(found.target, layers)
         if unit != target_unit and target_row <= row:
             where = "on its own row" if target_row == row else f"on row {target_row}, above its row {row}"
-            problems.append(f"{found}: {unit} imports {target_unit}, {where}")
-    return problems
+            out.append(f"{found}: {unit} imports {target_unit}, {where}")
+    return out
 
 
 def problems(modules: list[str], imports: list[Import], layers: tuple[str, ...] = LAYERS) -> list[str]:
+    """Every circle and back-arrow among `modules`, one line each (empty: the layers hold)."""
     placed = [module for module in modules if unit_of(module, layers) is not None]
     inside = [i for i in imports if i.source in placed and i.target in placed]
     return circles(modules, imports) + back_arrows(modules, inside, layers)
