@@ -8,9 +8,9 @@ from sparsegen.decode import Decoder, generate
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.footprint import kv_bytes_per_token, kv_ring_bytes
 from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
 from sparsegen.kv.quantized import RESIDUAL, KVCodec
-from sparsegen.models import kv_bytes_per_token, kv_ring_bytes
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE, generate_drop_in
 

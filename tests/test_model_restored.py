@@ -8,11 +8,11 @@ from conftest import build_tiny, tiny_tokenizer
 from serving import live_server
 
 from sparsegen.decode import generate
+from sparsegen.decode.chat import StreamingChat
 from sparsegen.eval.harness import SparsegenLM
 from sparsegen.eval.needle import needle_job
 from sparsegen.eval.stream_ppl import PolicyRun, stream_compare
 from sparsegen.kv import make_cache, make_policy, stream
-from sparsegen.kv.chat import StreamingChat
 from sparsegen.kv.duo_attention import calibrate_heads
 from sparsegen.kv.shared import SharedPrefill
 from sparsegen.prompt.prompted import PromptedModel

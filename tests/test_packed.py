@@ -9,7 +9,8 @@ from sparsegen.errors import SparsegenError
 from sparsegen.prune import prune
 from sparsegen.quant import QuantScheme, make_quantizer, quantize
 from sparsegen.quant.checkpoint import save_quantized
-from sparsegen.quant.packed import Int4Linear, Int8Linear, PackedLinear, dequantized, pack_linear
+from sparsegen.quant.linear import PackedLinear
+from sparsegen.quant.packed import Int4Linear, Int8Linear, dequantized, pack_linear
 from tests.conftest import build_tiny, tiny_tokenizer
 
 # The kernels take bf16 activations (2^-9 relative rounding of every input and of each output):

@@ -11,7 +11,7 @@ import torch
 from conftest import build_tiny, tiny_tokenizer
 from serving import conversation_rss, live_server
 
-from sparsegen.models import kv_bytes_per_token
+from sparsegen.kv.footprint import kv_bytes_per_token
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}w4 {% else %}w5 {% endif %}{{ m['content'] }} </s> "

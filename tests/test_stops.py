@@ -4,7 +4,7 @@ import torch
 from tokenizers import AddedToken
 
 from sparsegen.decode import generate
-from sparsegen.kv.chat import StreamingChat
+from sparsegen.decode.chat import StreamingChat
 from sparsegen.sampling import StopRule, Verdict, stop_tokens, template_tokens
 from tests.conftest import build_tiny, tiny_tokenizer
 

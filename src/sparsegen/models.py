@@ -1,5 +1,5 @@
-"""Model structure that every capability reads: the decoder blocks, the KV bytes a token takes,
-the dtype names the CLI and lm-eval give, and the device a model runs on."""
+"""Model structure that every capability reads: the decoder blocks, the dtype names the CLI and
+lm-eval give, and the device a model runs on (the KV bytes a token takes: `kv.footprint`)."""
 
 from __future__ import annotations
 
@@ -38,33 +38,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of the model's (first materialized) weights."""
     return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
-
-
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float32, kv_bits: int | None = None) -> int:
-    """Bytes one token's keys and values take over all layers, stored as `dtype` (the decoder's
-    slots are fp32 by default) or in `kv_bits` (`kv.quantized`): what admission and memory
-    bounds count."""
-    from sparsegen.kv.quantized import codec_for
-
-    config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    codec = codec_for(kv_bits, head_dim)
-    vector = head_dim * (torch.finfo(dtype).bits // 8) if codec is None else codec.width(head_dim)
-    return 2 * config.num_hidden_layers * heads * vector
-
-
-def kv_ring_bytes(model: torch.nn.Module, kv_bits: int | None, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the full-precision ring of newest tokens a row rounded to `kv_bits` keeps beside
-    its slots (`kv.quantized.RESIDUAL` tokens in `dtype`); none at full precision."""
-    from sparsegen.kv.quantized import RESIDUAL
-
-    return 0 if kv_bits is None else RESIDUAL * kv_bytes_per_token(model, dtype)
-
-
-def kv_row_bytes(model: torch.nn.Module, tokens: int, kv_bits: int | None = None) -> int:
-    """Bytes of KV a row holding `tokens` takes in the decoder's slots (fp32, or `kv_bits` plus its ring)."""
-    return tokens * kv_bytes_per_token(model, kv_bits=kv_bits) + kv_ring_bytes(model, kv_bits)
 
 
 def dtype_named(name: str, option: str = "dtype") -> torch.dtype:

@@ -13,7 +13,8 @@ from sparsegen.prune import prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.quant import quantize
 from sparsegen.quant.checkpoint import save_quantized
-from sparsegen.quant.packed import Int4Linear, Int8Linear, PackedLinear, pack_linear
+from sparsegen.quant.linear import PackedLinear
+from sparsegen.quant.packed import Int4Linear, Int8Linear, pack_linear
 from tests.conftest import build_tiny, tiny_tokenizer
 from tests.kv_reference import TABLE, generate_drop_in
 

@@ -227,9 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Build the samples, run kvpress's side, then sparsegen's on the same ids, and compare."""
-    import sparsegen
     from sparsegen.ioutil import write_json, write_text
-    from sparsegen.loading import DEFAULT_MODEL, resolve_model_path
+    from sparsegen.loading import DEFAULT_MODEL, load, resolve_model_path
     from sparsegen.sampling import stop_tokens
 
     args = parse_args(argv)
@@ -239,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown press(es) {unknown}; known: {', '.join(PRESSES)}")
     cells = [(p, float(r)) for p in presses for r in args.ratios.split(",")]
     torch.set_grad_enabled(False)
-    model, tokenizer = sparsegen.load()
+    model, tokenizer = load()
     stops = sorted(stop_tokens(model, tokenizer))
     samples = make_inputs(tokenizer, args.tasks.split(","), args.length, args.samples, args.seed, args.out)
     job = {

@@ -41,9 +41,9 @@ def main() -> None:
     from llmcompressor.modifiers.obcq import SparseGPTModifier
     from llmcompressor.modifiers.pruning import WandaPruningModifier
 
-    import sparsegen
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
+    from sparsegen.loading import load
     from sparsegen.prune import prune
 
     parser = argparse.ArgumentParser()
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0, help="Skip the first N configurations.")
     args = parser.parse_args()
 
-    _, tokenizer = sparsegen.load()
+    _, tokenizer = load()
     calibration = calibration_samples(tokenizer, load_text("shakespeare"), args.n_samples, args.seqlen, seed=0)
     held_out = tokenize_long(tokenizer, load_text(args.eval_text))
     dataset = Dataset.from_dict(
@@ -69,11 +69,11 @@ def main() -> None:
         ("sparsegpt", SparseGPTModifier, {"mask_scope": "block"}),
     ]
     for method, modifier, options in parser_methods[args.skip :]:
-        ours, _ = sparsegen.load()
+        ours, _ = load()
         started = time.perf_counter()
         prune(ours, method, 0.5, calibration=calibration, calibration_dtype=None, progress=False, **options)
         ours_seconds = time.perf_counter() - started
-        theirs, _ = sparsegen.load()
+        theirs, _ = load()
         started = time.perf_counter()
         oneshot(
             model=theirs,

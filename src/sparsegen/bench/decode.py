@@ -23,7 +23,8 @@ from sparsegen.bench.quantized import (
 )
 from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.models import DTYPES, kv_bytes_per_token, kv_ring_bytes
+from sparsegen.kv.footprint import kv_bytes_per_token, kv_ring_bytes
+from sparsegen.models import DTYPES
 from sparsegen.report import markdown_table, run_meta
 
 

@@ -23,7 +23,8 @@ from sparsegen.bench.synthetic import llama_config
 from sparsegen.contextual import densify, sparsify
 from sparsegen.decode import generate
 from sparsegen.ioutil import write_json, write_text
-from sparsegen.models import default_dtype, kv_bytes_per_token, pick_device
+from sparsegen.kv.footprint import kv_bytes_per_token
+from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune import prune
 from sparsegen.prune.accelerate import SemiStructuredLinear, sparse_form
 from sparsegen.prune.pruner import Pattern, mask_lowest

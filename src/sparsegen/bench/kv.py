@@ -121,8 +121,8 @@ def _stream_rss_worker(
 
 def bytes_per_step(model_name: str, device: str | None = None) -> tuple[float, float]:
     """MB of weights a decode step reads, and MB of KV per held token (fp32)."""
+    from sparsegen.kv.footprint import kv_bytes_per_token
     from sparsegen.loading import load
-    from sparsegen.models import kv_bytes_per_token
 
     model, _ = load(model_name, device=device)
     return weight_bytes(model) / 1e6, kv_bytes_per_token(model, torch.float32) / 1e6

@@ -49,7 +49,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a step reads of the weights: each distinct parameter or packed layer's buffer once
     (tied embeddings once), as stored: a packed layer counts its integers, scales and offsets. An
     input embedding that is not also the output head is left out (a step reads one row of it)."""
-    from sparsegen.quant.packed import PackedLinear
+    from sparsegen.quant.linear import PackedLinear
 
     packed = [b for m in model.modules() if isinstance(m, PackedLinear) for b in m.buffers(recurse=False)]
     seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *packed]}

@@ -200,7 +200,7 @@ def chat(
 
     from sparsegen.bench.measure import current_rss_mb
     from sparsegen.data import load_mtbench
-    from sparsegen.kv.chat import StreamingChat
+    from sparsegen.decode.chat import StreamingChat
     from sparsegen.loading import load
 
     parts = policy_budget(policy, budget, sinks)

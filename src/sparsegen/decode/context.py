@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from sparsegen.errors import SparsegenError
+from sparsegen.kv.cache import gather_slots
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
-from sparsegen.kv.slots import EMPTY, HeldSlots, gather_slots
+from sparsegen.kv.slots import EMPTY, HeldSlots
 
 
 @dataclass

@@ -16,7 +16,19 @@ from sparsegen.kv import ragged
 from sparsegen.kv.policy import KEEP, Policy, Sizes, Step
 from sparsegen.kv.quantized import RESIDUAL, KVCodec, remember, with_residual
 from sparsegen.kv.rope import KeyRotation
-from sparsegen.kv.slots import gather_slots, room_for
+
+
+def room_for(budget: int) -> int:
+    """Slots a layer that keeps every new token holds free beyond what it holds (a sixteenth, so
+    its buffers stay within about 6% of its tokens' bytes; decoding past it grows them)."""
+    return max(1, budget // 16)
+
+
+def gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """buffer [b, h, n, ...] gathered along dim 2 by index [b, h, m]."""
+    if buffer.dim() == 4:
+        index = index.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])
+    return buffer.gather(2, index)
 
 
 class PolicyLayer(CacheLayerMixin):

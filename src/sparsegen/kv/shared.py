@@ -18,10 +18,10 @@ import torch
 
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
+from sparsegen.kv.forward import as_given, read_rows, token_rows
 from sparsegen.kv.kvzip import attention_and_peaks, reconstruct
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
-from sparsegen.kv.stream import read
 
 
 @dataclass
@@ -67,11 +67,10 @@ class SharedPrefill:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, ids: list[int] | torch.Tensor) -> None:
         self.model = model
-        device = next(model.parameters()).device
-        self.rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=device)
+        self.rows = token_rows(model, ids)
         self.length = self.rows.shape[1]
         self.record = make_cache(model, "full", layer_class=RecordingLayer)
-        self.logits = read(model, ids, self.record)
+        self.logits = as_given(read_rows(model, self.rows, self.record, max(self.length, 1), all_logits=False), ids)
         self._reconstructions: dict[tuple, list] = {}
 
     @torch.inference_mode()

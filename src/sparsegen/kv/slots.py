@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import ragged
+from sparsegen.kv.cache import PolicyLayer, gather_slots
 from sparsegen.kv.policy import Policy, Sizes
 from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
-
-if TYPE_CHECKING:
-    from sparsegen.kv.cache import PolicyLayer
 
 EMPTY = -1
 """The position of a free slot in `HeldSlots` (and the fast path's buffers)."""
@@ -41,19 +38,6 @@ class HeldSlots:
     codec: KVCodec | None = None
     recent_keys: torch.Tensor | None = None
     recent_values: torch.Tensor | None = None
-
-
-def room_for(budget: int) -> int:
-    """Slots a layer that keeps every new token holds free beyond what it holds (a sixteenth, so
-    its buffers stay within about 6% of its tokens' bytes; decoding past it grows them)."""
-    return max(1, budget // 16)
-
-
-def gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """buffer [b, h, n, ...] gathered along dim 2 by index [b, h, m]."""
-    if buffer.dim() == 4:
-        index = index.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])
-    return buffer.gather(2, index)
 
 
 def _storage(layer: PolicyLayer) -> dict:

@@ -15,8 +15,10 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import PackedPrompts, policy_attention
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
+from sparsegen.kv.forward import as_given, read_rows, token_rows
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
+from sparsegen.kv.shared import SharedPrefill
 from sparsegen.models import decoder_layers
 
 
@@ -75,26 +77,13 @@ def read(
 
 
 def _read(model, ids, cache: PolicyCache, chunk: int | None, all_logits: bool) -> torch.Tensor | None:
-    device = next(model.parameters()).device
-    rows = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=device)
+    rows = token_rows(model, ids)
     step = chunk or max(rows.shape[1], 1)
-    kept, first = [], 0
     if reads_whole(cache) and rows.shape[1]:
         step = rows.shape[1]
         if cache.policy.reconstructs:
-            kept.append(_read_reconstructing(model, rows, cache, all_logits))
-            first = step
-    with policy_attention(model):
-        for start in range(first, rows.shape[1], step):
-            piece = rows[:, start : start + step]
-            logits = model(
-                input_ids=piece, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
-            ).logits.float()
-            kept.append(logits if all_logits else logits[:, -1])
-    if not kept:
-        return None
-    out = torch.cat(kept, 1) if all_logits else kept[-1]
-    return out if isinstance(ids, torch.Tensor) else out[0]
+            return as_given(_read_reconstructing(model, rows, cache, all_logits), ids)
+    return as_given(read_rows(model, rows, cache, step, all_logits), ids)
 
 
 @torch.inference_mode()
@@ -142,8 +131,6 @@ def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logi
     """A policy that scores the prompt by the model re-reading it (`kv.kvzip`): `rows` [b, n] read
     in one forward under the full cache, re-read, then replayed into `cache` (`kv.shared`); the
     last token's logits [b, vocab]."""
-    from sparsegen.kv.shared import SharedPrefill
-
     if all_logits:
         raise SparsegenError(
             f"{cache.policy.name} re-reads the prompt to score it and gives only the last token's logits: "

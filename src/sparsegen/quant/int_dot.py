@@ -18,7 +18,7 @@ import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.native import build
-from sparsegen.quant.packed import PackedLinear
+from sparsegen.quant.linear import PackedLinear
 
 SOURCE = Path(__file__).parent / "kernels" / "int_dot.cpp"
 BLOCK = 32

@@ -26,31 +26,12 @@ import sys
 import torch
 from torch import nn
 
+from sparsegen.quant.int_dot import int_dot_linear
+from sparsegen.quant.linear import KERNEL_DTYPE, PackedLinear
 from sparsegen.quant.quantizer import Grid, QuantScheme
 
-KERNEL_DTYPE = torch.bfloat16
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the int4 kernels take, largest first
 AGREEMENT = 0.02  # bf16 inputs and outputs: a kernel's product within this share of the largest output
-
-
-class PackedLinear(nn.Module):
-    """A Linear computed from packed integer weights: the input is cast to bf16 for the kernel."""
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        out = self.product(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int4Linear(PackedLinear):
@@ -113,8 +94,6 @@ def pack_linear(
     if device not in ("cpu", "cuda"):
         return f"no packed kernel is wired for {device}"
     if activation_bits == 8:
-        from sparsegen.quant.int_dot import int_dot_linear
-
         layer = int_dot_linear(integers, scale, zero_point, bits, bias)
         if not isinstance(layer, str):
             return _checked(layer, integers, scale, zero_point, verdicts)

@@ -19,7 +19,7 @@ from sparsegen.serve.conversations import ConversationStore
 from sparsegen.serve.metrics import Metrics
 
 if TYPE_CHECKING:
-    from sparsegen.serve.batching import Job
+    from sparsegen.serve.jobs import Job
 
 
 class QueueFull(Exception):

@@ -35,10 +35,10 @@ from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, pack_weights
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.footprint import kv_row_bytes
 from sparsegen.kv.policy import Policy, make_policy
 from sparsegen.kv.quantized import checked_bits
 from sparsegen.kv.stream import Abandoned, packable, read, read_packed, reads_whole
-from sparsegen.models import kv_row_bytes
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
 from sparsegen.serve.conversations import Conversation, ConversationStore

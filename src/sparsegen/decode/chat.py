@@ -7,6 +7,8 @@ from functools import partial
 
 import torch
 
+from sparsegen.decode.engine import Decoder
+from sparsegen.decode.generate import token_loop
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
@@ -32,8 +34,6 @@ class StreamingChat:
         temperature: float = 0.0,
         **budget: int | float,
     ) -> None:
-        from sparsegen.decode.engine import Decoder  # here: the decoder imports `sparsegen.kv`, which imports this
-
         self.model, self.tokenizer = model, tokenizer
         self.decoder = Decoder(model, policy, position=position, compile="never", **budget)
         self.cache: PolicyCache | None = None  # the conversation read so far (none before the first turn)
@@ -55,8 +55,6 @@ class StreamingChat:
 
     def ask(self, text: str) -> Iterator[str]:
         """Yield the answer to `text` piece by piece as tokens are generated."""
-        from sparsegen.decode.generate import token_loop  # here: as `Decoder` above
-
         self.messages.append({"role": "user", "content": text})
         rendered = self._render(self.messages)
         if rendered.startswith(self.fed_text):
