@@ -33,8 +33,9 @@ def _extension():
 
 
 def kernels_ready() -> bool:
-    """Whether the block kernels are built (and their op registered) on this machine."""
-    return _extension() is not None
+    """Whether the block kernels are built (and their op registered) on this machine (not before
+    their source is in the package)."""
+    return SOURCE.is_file() and _extension() is not None
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
@@ -52,7 +53,8 @@ class GGUFLinear(IntegerDotLinear):
         if qtype not in KERNEL_TYPES:
             raise SparsegenError(f"{qtype.name} tensors have no block kernel: formats {[t.name for t in KERNEL_TYPES]}")
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, in_features):
-            raise SparsegenError(f"{qtype.name} blocks for {in_features} inputs must be uint8 [out, {row_bytes(qtype, in_features)}]")
+            width = row_bytes(qtype, in_features)
+            raise SparsegenError(f"{qtype.name} blocks for {in_features} inputs must be uint8 [out, {width}]")
         super().__init__(in_features, blocks.shape[0], bias)
         self.qtype = qtype
         self.register_buffer("blocks", blocks.contiguous())
