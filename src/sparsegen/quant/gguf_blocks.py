@@ -33,8 +33,9 @@ def _extension():
 
 
 def kernels_ready() -> bool:
-    """Whether the block kernels are built (and their op registered) on this machine."""
-    return _extension() is not None
+    """Whether the block kernels are built (and their op registered) on this machine (not before
+    their source is in the package)."""
+    return SOURCE.is_file() and _extension() is not None
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:

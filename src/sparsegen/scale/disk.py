@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 
 from sparsegen.distributed import is_writer
 from sparsegen.errors import SparsegenError
+from sparsegen.gguf_model import is_gguf
 from sparsegen.ioutil import save_safetensors, write_json
 from sparsegen.layerwise_blocks import Blocks, Codec
 from sparsegen.loading import _assemble, resolve_model_path
@@ -93,6 +94,11 @@ def open_lazy(
     """The model of a checkpoint folder with its decoder blocks left on the meta device (to be read
     by `DiskBlocks`), its tokenizer, and the checkpoint."""
     source = resolve_model_path(name_or_path)
+    if is_gguf(source):
+        raise SparsegenError(
+            f"{Path(source).name}: a GGUF file is read whole, not one block at a time; "
+            "load it in memory (--in-memory), or save it as a transformers folder first"
+        )
     checkpoint = Checkpoint(source)
     config = AutoConfig.from_pretrained(source)
     if checkpoint.quantization is not None:
@@ -111,6 +117,12 @@ def _skeleton_prefix(config) -> str:
     return blocks_prefix(AutoModelForCausalLM.from_config(config)) + "."
 
 
+def _weight_bytes(name_or_path: str) -> int:
+    """A checkpoint's weight files' bytes (a GGUF file's own size: what its blocks take)."""
+    source = resolve_model_path(name_or_path)
+    return Path(source).stat().st_size if is_gguf(source) else Checkpoint(source).weight_bytes
+
+
 def too_large_for_ram(name_or_path: str) -> bool:
     """Whether a checkpoint's weights pass `RAM_SHARE` of the memory available now."""
     available = next(
@@ -118,13 +130,13 @@ def too_large_for_ram(name_or_path: str) -> bool:
         for line in Path("/proc/meminfo").read_text().splitlines()
         if line.startswith("MemAvailable:")
     )
-    return Checkpoint(resolve_model_path(name_or_path)).weight_bytes > RAM_SHARE * available
+    return _weight_bytes(name_or_path) > RAM_SHARE * available
 
 
 def fits_on_gpu(name_or_path: str, device: torch.device) -> bool:
     """Whether a checkpoint's weights stay under `GPU_SHARE` of the GPU's free memory."""
     free, _ = torch.cuda.mem_get_info(device)
-    return Checkpoint(resolve_model_path(name_or_path)).weight_bytes < GPU_SHARE * free
+    return _weight_bytes(name_or_path) < GPU_SHARE * free
 
 
 def _take_away(block: nn.Module) -> None:
