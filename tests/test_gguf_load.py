@@ -25,6 +25,7 @@ import sparsegen
 from sparsegen import assets, gguf_model, loading
 from sparsegen.errors import SparsegenError
 from sparsegen.models import require_float_linears
+from sparsegen.quant import gguf_blocks
 from sparsegen.quant.gguf_blocks import KERNEL_TYPES, GGUFLinear
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, CONTEXT = 256, 512, 4, 2, 2, 128
@@ -56,6 +57,13 @@ def own_cache(request, monkeypatch, tmp_path):
     the command line (whose decoder's C++ kernels are built once in the real cache)."""
     if request.node.get_closest_marker("real") is None and "cli" not in request.node.name:
         monkeypatch.setenv("SPARSEGEN_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """GGUFLinear on its float path (the blocks decoded by gguf, exact up to float rounding), also
+    once the integer-dot kernel is built (which rounds the inputs to int8)."""
+    monkeypatch.setattr(gguf_blocks, "kernels_ready", lambda: False)
 
 
 def random_blocks(qtype: Q, rows: int, inputs: int, rng: np.random.Generator) -> np.ndarray:
@@ -195,7 +203,7 @@ def linears(model) -> dict[str, nn.Module]:
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-def test_each_kernel_format_keeps_its_blocks(tmp_path, qtype, capsys):
+def test_each_kernel_format_keeps_its_blocks(tmp_path, qtype, capsys, exact):
     path = tmp_path / "tiny.gguf"
     state, blocks = write_tiny(path, "llama", {"token_embd": qtype, **dict.fromkeys(PROJECTIONS, qtype)}, tied=True)
     model, _ = sparsegen.load(str(path), attn_implementation="eager", device="cpu")
@@ -230,7 +238,7 @@ MIXED = {
 }
 
 
-def test_qwen2_biases_untied_head_and_mixed_formats(tmp_path, capsys):
+def test_qwen2_biases_untied_head_and_mixed_formats(tmp_path, capsys, exact):
     path = tmp_path / "qwen.gguf"
     state, _ = write_tiny(path, "qwen2", MIXED, tied=False, theta=1e6)
     model, tokenizer = sparsegen.load(str(path), attn_implementation="eager", device="cpu")
@@ -251,7 +259,7 @@ def test_qwen2_biases_untied_head_and_mixed_formats(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_same_logits_as_transformers_own_gguf_loader(tmp_path, arch):
+def test_same_logits_as_transformers_own_gguf_loader(tmp_path, arch, exact):
     """An independent reading of the names, the llama row permutation and the config."""
     path = tmp_path / f"{arch}.gguf"
     types = {"attn_q": Q.Q4_K, "attn_k": Q.Q6_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1, "token_embd": Q.Q8_0}
@@ -410,7 +418,7 @@ REAL_QWEN = "qwen2.5-coder-1.5b"
 
 
 @pytest.mark.real
-def test_real_default_model_blocks_match_its_float_conversion():
+def test_real_default_model_blocks_match_its_float_conversion(exact):
     """SmolLM2's Q4_1 blocks decode to the fp32 folder transformers converted from the same file."""
     blocks, tokenizer = sparsegen.load("smollm2-135m", gguf_blocks=True, device="cpu")
     floats, _ = sparsegen.load("smollm2-135m", device="cpu")
