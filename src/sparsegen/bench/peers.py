@@ -197,14 +197,17 @@ def _agreement(run: _Run, quality_text: str, positions: int = 1024) -> dict:
     run.progress(f"next-token choices over {positions} positions of {quality_text}: sparsegen, then llama.cpp")
     ours = in_process(sparsegen_choices, str(run.gguf), ids, run.threads)
     theirs = llama_cpp_choices(run.llama_cpp, str(run.gguf), ids, run.threads)
-    return agreement(ours, theirs)
+    flash = llama_cpp_choices(run.llama_cpp, str(run.gguf), ids, run.threads, flash=True)
+    floor = agreement(flash, theirs)  # llama.cpp against itself: how far two exact-enough engines differ
+    return {**agreement(ours, theirs), "llama_cpp_flash_vs_not": floor["top1_agreement"]}
 
 
 def _agreement_note(result: dict, quality_text: str) -> str:
     return (
         f"same GGUF file, {result['positions']} positions of {quality_text}: next-token choices agree with "
         f"llama.cpp's at {100 * result['top1_agreement']:.1f}%; perplexity {result['ppl_sparsegen']:.3f} against "
-        f"llama.cpp's {result['ppl_llama_cpp']:.3f} ({100 * result['ppl_change']:+.2f}%)"
+        f"llama.cpp's {result['ppl_llama_cpp']:.3f} ({100 * result['ppl_change']:+.2f}%); llama.cpp with flash "
+        f"attention agrees with itself without at {100 * result['llama_cpp_flash_vs_not']:.1f}%"
     )
 
 

@@ -53,13 +53,14 @@ def sparsegen_choices(gguf: str, ids: list[int], threads: int) -> dict:
     return {"top1": logits.argmax(-1).tolist(), "nll": nll.tolist()}
 
 
-def llama_cpp_choices(python: str, gguf: str, ids: list[int], threads: int) -> dict:
-    """llama.cpp's argmax and NLLs at the same positions, under the interpreter `python`."""
+def llama_cpp_choices(python: str, gguf: str, ids: list[int], threads: int, flash: bool = False) -> dict:
+    """llama.cpp's argmax and NLLs at the same positions, under the interpreter `python`, with its
+    flash attention off or on."""
     worker = Path(__file__).with_name("llamacpp_logits_worker.py")
     with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
         json.dump(ids, handle)
         handle.flush()
-        command = [python, str(worker), gguf, handle.name, str(threads)]
+        command = [python, str(worker), gguf, handle.name, str(threads), "1" if flash else "0"]
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

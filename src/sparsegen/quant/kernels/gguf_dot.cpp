@@ -349,25 +349,39 @@ inline void block256(const uint8_t* w, const Rounded& r, const int64_t* at, __m2
   }
 }
 
-// One output row times input rows [row0, row0 + kRows).
+// One output row times input rows [row0, row0 + kRows). The 32-blocks alternate between two sets
+// of accumulators, so that one block's sums need not wait on the last's (one row is otherwise
+// bound by the latency of its one chain of multiply-adds).
 template <int64_t F, int kRows>
 void output_row(const uint8_t* w, int64_t blocks, int64_t block_bytes, const Rounded& r, int64_t row0, float* result) {
   constexpr bool kK = F == kQ4_K || F == kQ5_K || F == kQ6_K;
-  __m256 acc[kRows], offset_vec[kRows];
-  float offset[kRows];
+  __m256 acc[kRows], other[kRows], offset_vec[kRows];
+  float offset[kRows], other_offset[kRows];
   int64_t at[kRows];
   for (int k = 0; k < kRows; ++k) {
-    acc[k] = offset_vec[k] = _mm256_setzero_ps(), offset[k] = 0.f;
+    acc[k] = other[k] = offset_vec[k] = _mm256_setzero_ps(), offset[k] = other_offset[k] = 0.f;
     at[k] = (row0 + k) * blocks;
   }
-  for (int64_t b = 0; b < blocks; ++b) {
+  int64_t b = 0;
+  if (!kK) {
+    for (; b + 1 < blocks; b += 2) {
+      block32<F, kRows>(w + b * block_bytes, r, at, acc, offset);
+      for (int k = 0; k < kRows; ++k) ++at[k];
+      block32<F, kRows>(w + (b + 1) * block_bytes, r, at, other, other_offset);
+      for (int k = 0; k < kRows; ++k) ++at[k];
+    }
+  }
+  for (; b < blocks; ++b) {
     if (kK)
       block256<F, kRows>(w + b * block_bytes, r, at, acc, offset_vec);
     else
       block32<F, kRows>(w + b * block_bytes, r, at, acc, offset);
     for (int k = 0; k < kRows; ++k) ++at[k];
   }
-  for (int k = 0; k < kRows; ++k) result[k] = sum_of(_mm256_sub_ps(acc[k], offset_vec[k])) + offset[k];
+  for (int k = 0; k < kRows; ++k) {
+    const __m256 sums = _mm256_sub_ps(_mm256_add_ps(acc[k], other[k]), offset_vec[k]);
+    result[k] = sum_of(sums) + (offset[k] + other_offset[k]);
+  }
 }
 
 template <int64_t F>
