@@ -158,8 +158,10 @@ class _Run:
 
     @property
     def converts(self) -> bool:
-        """Whether the model has a float folder to quantize again with RTN (the embedded default)."""
-        return self.model_name in EMBEDDED_MODELS
+        """Whether the model has a float folder to quantize again with RTN (the embedded default,
+        not a model that loads as its blocks: dequantized, the 1.5B model would be 6 GB)."""
+        spec = EMBEDDED_MODELS.get(self.model_name)
+        return spec is not None and not spec.gguf_blocks
 
 
 def _decode_table(run: _Run, context: int, new_tokens: int, quality_text: str, notes: list[str]) -> list[dict]:
@@ -185,10 +187,12 @@ def _decode_table(run: _Run, context: int, new_tokens: int, quality_text: str, n
 
 
 def _prompt_ids(model_name: str, text: str, length: int) -> list[int]:
-    from sparsegen.data import text_stretches
-    from sparsegen.loading import load
+    from transformers import AutoTokenizer
 
-    return text_stretches(load(model_name, device=DEVICE)[1], text, 1, length)[0]
+    from sparsegen.data import text_stretches
+    from sparsegen.loading import tokenizer_source
+
+    return text_stretches(AutoTokenizer.from_pretrained(tokenizer_source(model_name)), text, 1, length)[0]
 
 
 def _agreement(run: _Run, quality_text: str, positions: int = 1024) -> dict:
