@@ -113,9 +113,11 @@ def test_build_all_builds_every_kernel_source_of_the_package(monkeypatch):
     from sparsegen import native
     from sparsegen.few_rows import FLOAT_ROWS_SOURCE
     from sparsegen.kv.kernels import SOURCE as KV_SOURCE
+    from sparsegen.quant.gguf_blocks import SOURCE as GGUF_SOURCE
     from sparsegen.quant.int_dot import SOURCE as INT_DOT_SOURCE
 
     built = []
     monkeypatch.setattr(native, "build", lambda source, what: built.append(source.resolve()))
     native.build_all()
-    assert sorted(built) == sorted({KV_SOURCE.resolve(), INT_DOT_SOURCE.resolve(), FLOAT_ROWS_SOURCE.resolve()})
+    sources = {KV_SOURCE, INT_DOT_SOURCE, FLOAT_ROWS_SOURCE, GGUF_SOURCE}
+    assert sorted(built) == sorted(source.resolve() for source in sources)
