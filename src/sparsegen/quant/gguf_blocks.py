@@ -47,7 +47,10 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
 
 
 class GGUFLinear(IntegerDotLinear):
-    """A Linear whose weight is a GGUF tensor's blocks [out, row bytes] in `qtype`, run as integer dots."""
+    """A Linear whose weight is a GGUF tensor's blocks [out, row bytes] in `qtype`, run as integer dots
+    at any row count (the kernel beats decoding the blocks for a prompt's float GEMM)."""
+
+    float_above_rows = None
 
     def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, bias=None) -> None:
         if qtype not in KERNEL_TYPES:
@@ -62,14 +65,6 @@ class GGUFLinear(IntegerDotLinear):
 
     def integer_product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.sparsegen.gguf_linear(flat, self.blocks, int(self.qtype), self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.on_kernel:
-            out = torch.nn.functional.linear(x.float(), self.weight()).to(x.dtype)
-            return out if self.bias is None else out + self.bias
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        out = self.integer_product(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
 
     def weight(self) -> torch.Tensor:
         """The float weight [out, in] the blocks hold (gguf's own numpy decoder)."""

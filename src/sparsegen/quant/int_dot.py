@@ -40,12 +40,17 @@ def int4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mi
 
 
 class IntegerDotLinear(PackedLinear):
-    """A layer whose few-row products are integer dots (`integer_product`); a prompt's many rows
-    multiply the float `weight()` instead."""
+    """A layer whose few-row products are integer dots (`integer_product`); a prompt's more than
+    `float_above_rows` rows multiply the float `weight()` instead (None: the kernel at any count),
+    and so does every product where `on_kernel` is False (no kernel built)."""
+
+    float_above_rows: int | None = MAX_ROWS
+    on_kernel: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        if flat.shape[0] > MAX_ROWS:  # a prompt: a float GEMM over the weight decoded once beats row dots
+        many = self.float_above_rows is not None and flat.shape[0] > self.float_above_rows
+        if many or not self.on_kernel:  # a prompt: a float GEMM over the weight decoded once beats row dots
             out = torch.nn.functional.linear(flat, self.weight()).to(x.dtype)
         else:  # the op is registered: making the layer built the kernels
             out = self.integer_product(flat).to(x.dtype)
