@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from sparsegen.bench.measure import current_rss_mb
 from sparsegen.bench.serve import free_port
+from sparsegen.rss import current_rss_mb
 from sparsegen.serve import build_app
 
 

@@ -50,7 +50,7 @@ LAYERS = (  # top row first: docs/architecture.md draws the same table
     "decode/  prune/",
     "kv/  layerwise*.py  few_rows.py  gather_kernels.py",
     "assemble.py  registry.py  models.py  distributed.py  sampling.py  data.py  native.py  ioutil.py  report.py",
-    "assets.py",
+    "assets.py  rss.py",
     "errors.py",
 )
 UNIT = re.compile(r"^[\w*]+(/|\.py)$")

@@ -226,18 +226,19 @@ def test_held_conversations_stay_under_the_memory_cap_and_come_back_rebuilt():
 
 
 def test_a_failure_inside_one_request_is_a_500_and_the_next_request_is_served(server, monkeypatch):
-    url, app, _ = server
-    engine = app.state.engine
-    original = engine._forward
+    from sparsegen.serve import batching
+
+    url, _, _ = server
+    original = batching.read  # the engine's prompt read
     calls = {"n": 0}
 
-    def flaky(ids, cache, all_logits, stop):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return original(ids, cache, all_logits, stop)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", flaky)
+    monkeypatch.setattr(batching, "read", flaky)
     body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}
     response = httpx.post(f"{url}/v1/completions", json=body)
     assert response.status_code == 500 and "injected failure" in _error(response)["message"]
@@ -354,7 +355,7 @@ def test_requests_wait_for_kv_memory_and_past_the_queue_get_429():
 
 
 def test_sampling_defaults_come_from_the_generation_config():
-    from sparsegen.serve.batching import sampling_defaults
+    from sparsegen.serve.jobs import sampling_defaults
 
     model = build_tiny("llama")
     assert sampling_defaults(model) == {"temperature": 0.0, "top_p": 1.0}

@@ -1,4 +1,5 @@
-"""The server's compiled batched step: rows join and leave without compiling it again."""
+"""The server's compiled batched step: built while the server answers eagerly; rows join and leave
+without compiling it again."""
 
 from serving import live_server
 from test_serve import _ask_together, _loaded
@@ -13,6 +14,10 @@ def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave():
     model, tokenizer = loaded
     prompts = [" ".join(f"w{5 + (i * 13 + j) % 90}" for j in range(n)) for i, n in enumerate((5, 33, 12, 48, 21, 9))]
     with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, compile=True) as (url, app):
+        early = _ask_together(url, prompts[:2], [None, None], max_tokens=10)  # while the step compiles
+        assert app.state.engine.stats()["step"] == "compiling"  # minutes, against a tenth of a second
+        assert app.state.engine.compiled.wait(600)
+        assert app.state.engine.stats()["step"] == "compiled"
         warmed = counters["stats"]["unique_graphs"]
         assert [lane.decoder.mode for lane in app.state.engine.lanes.values()] == ["compiled"]
         alone = _ask_together(url, prompts[:1], [None], max_tokens=10)  # one row
@@ -23,7 +28,7 @@ def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave():
         assert modes == ["compiled", "eager"]
         assert app.state.engine.stats()["active"] == 0
     assert not [m for m in model.modules() if "forward" in m.__dict__]  # close() gave the model back
-    assert alone[0] == together[0]
+    assert alone[0] == together[0] and early == {0: together[0], 1: together[1]}
     for index, prompt in enumerate(prompts):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         eager = generate(model, [ids], 10, policy="h2o", compile="never", prefill_chunk=8, budget=12)

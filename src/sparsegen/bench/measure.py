@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import resource
 import statistics
 import time
 
 import torch
 from transformers import LogitsProcessor
+
+from sparsegen.rss import current_rss_mb, peak_rss_mb, rss_mb  # noqa: F401  (the bench modules' memory readings)
 
 
 class TokenClock(LogitsProcessor):
@@ -25,24 +25,6 @@ class TokenClock(LogitsProcessor):
         """Median milliseconds per decoded token (the first step, the prefill, is excluded)."""
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
         return statistics.median(gaps) * 1000 if gaps else float("nan")
-
-
-def rss_mb(pid: int, field: str = "VmRSS") -> float:
-    """A process's resident memory now (`VmRSS`) or at its peak (`VmHWM`), MB."""
-    with open(f"/proc/{pid}/status") as handle:
-        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith(field))
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far: its own (`VmHWM`), where getrusage's maximum
-    would carry a parent's peak over into a spawned child."""
-    return rss_mb(os.getpid(), "VmHWM")
-
-
-def current_rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        pages = int(handle.read().split()[1])
-    return pages * resource.getpagesize() / 2**20
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

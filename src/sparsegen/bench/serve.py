@@ -92,35 +92,54 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(config: ServeConfig, model: str, port: int, options: list[str]) -> subprocess.Popen:
-    """`sparsegen serve` for `config` in a child process; returns once `/health` answers."""
+def launch_server(
+    config: ServeConfig, model: str, port: int, options: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`sparsegen serve` for `config` in a child process (with `env` added to this one's), started."""
     command = [sys.executable, "-c", "from sparsegen.cli import main; main()", "serve", "--model", model]
     command += ["--policy", config.policy, "--port", str(port), *options]
     if config.budget is not None:
         command += ["--budget", str(config.budget)]
     if config.kv_bits is not None:
         command += ["--kv-bits", str(config.kv_bits)]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if config.src is not None:
         env["PYTHONPATH"] = f"{config.src}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def start_server(config: ServeConfig, model: str, port: int, options: list[str]) -> subprocess.Popen:
+    """`sparsegen serve` for `config` in a child process; returns once `/health` answers."""
+    server = launch_server(config, model, port, options)
     wait_for_health(server, f"http://127.0.0.1:{port}", f"the server for {config.label}")
     return server
 
 
 def wait_for_health(server: subprocess.Popen, base: str, label: str, seconds: float = STARTUP_S) -> None:
-    """Return once `base`/health answers 200; raise when `server` exits or `seconds` pass (then killed)."""
+    """Return once `base`/health answers 200 with its compiled step in place (`sparsegen serve`
+    answers eagerly while it compiles: a measurement waits for the step it will be run with);
+    raise when `server` exits or `seconds` pass (then killed)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SparsegenError(f"{label} exited: {server.stderr.read().strip()[-500:]}")
         try:
-            httpx.get(f"{base}/health", timeout=1).raise_for_status()
-            return
+            response = httpx.get(f"{base}/health", timeout=1)
+            response.raise_for_status()
+            if not _compiling(response):
+                return
         except httpx.HTTPError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     server.kill()
     raise SparsegenError(f"{label} did not answer in {seconds:.0f} s")
+
+
+def _compiling(health: httpx.Response) -> bool:
+    try:
+        return health.json().get("step") == "compiling"
+    except (ValueError, AttributeError):  # no JSON object (vLLM's health is empty)
+        return False
 
 
 def stream_completion(client: httpx.Client, base: str, body: dict) -> dict:

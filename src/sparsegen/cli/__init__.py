@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from sparsegen.cli import bench, bench_memory, contextual, evaluate, generate, prompt, scale, weights  # noqa: F401  (the command groups)
+from sparsegen.cli import bench, bench_memory, bench_serving, contextual, evaluate, generate, prompt, scale, weights  # noqa: F401  (the command groups)
 from sparsegen.cli.common import app, err
 from sparsegen.errors import SparsegenError
 

@@ -198,10 +198,10 @@ def chat(
     import json
     import time
 
-    from sparsegen.bench.measure import current_rss_mb
     from sparsegen.data import load_mtbench
     from sparsegen.decode.chat import StreamingChat
     from sparsegen.loading import load
+    from sparsegen.rss import current_rss_mb
 
     parts = policy_budget(policy, budget, sinks)
     loaded, tokenizer = load(model, device=device)
@@ -261,7 +261,7 @@ def serve(
     compile: bool = typer.Option(
         True,
         "--compile/--no-compile",
-        help="Compile the batched decode step before serving (minutes the first time, cached after).",
+        help="Compile the batched decode step while serving eagerly; it takes over once built (minutes at first).",
     ),
     device: str | None = DeviceOpt,
 ) -> None:
@@ -273,7 +273,7 @@ def serve(
     from sparsegen.serve import build_app
 
     if compile:
-        err.print("compiling the batched decode step (minutes the first time, about one cached; --no-compile skips)")
+        err.print("answering at once with the eager step; the compiled step is built meanwhile and takes over")
     application = build_app(
         model,
         policy,
@@ -287,5 +287,6 @@ def serve(
         activation_bits=activation_bits,
         compile=compile,
     )
+    err.print(application.state.engine.memory.describe())
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
     uvicorn.run(application, host=host, port=port, log_level="warning")

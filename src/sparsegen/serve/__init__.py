@@ -31,7 +31,8 @@ def build_app(
     and held conversation (counted in `kv_bits` where a request holds its KV rounded); up to
     `max_queue` requests wait for room, later ones get a 429. `activation_bits=8` loads an int4
     checkpoint with integer-dot products (`sparsegen.load`). `compile=True` compiles the batched
-    decode step before serving (`Engine`): minutes the first time, about a minute from the cache.
+    decode step in the background while the engine answers eagerly (`serve.compiling`); `/health`
+    says which step serves (`step`: compiling, compiled or eager).
     """
     from sparsegen.loading import load
 

@@ -12,15 +12,16 @@ within one decoder layer).
 
 Chat answers leave their cache held between requests (`serve.conversations`), counted against
 the same KV memory. With `compile=True` the default lane's step (the server's own policy and
-bits) is compiled before the engine starts, once for one row and once for any other row count
-(`Decoder(rows_vary=True)`), so rows joining and leaving never compile it again; lanes that
-requests open with other settings step eagerly.
+bits) is compiled in a thread while the engine already serves eagerly (`serve.compiling`), once for
+one row and once for any other row count (`Decoder(rows_vary=True)`), so rows joining and leaving
+never compile it again; once it is ready new rows take it and the rows decoding eagerly finish in
+their own lane. Lanes that requests open with other settings step eagerly.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -32,7 +33,7 @@ from prometheus_client import generate_latest
 
 from sparsegen.decode import Decoder
 from sparsegen.errors import SparsegenError
-from sparsegen.few_rows import PackedWeights, pack_weights
+from sparsegen.few_rows import PackedWeights, pack_weights, restore_linears, use_gemv
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.footprint import kv_row_bytes
@@ -41,9 +42,12 @@ from sparsegen.kv.quantized import checked_bits
 from sparsegen.kv.stream import Abandoned, packable, read, read_packed, reads_whole
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
+from sparsegen.serve.compiling import BackgroundCompile
 from sparsegen.serve.conversations import Conversation, ConversationStore
 from sparsegen.serve.events import Done, Failed, PromptLogprobs, prompt_entries, token_entry
-from sparsegen.serve.jobs import Job, Lane
+from sparsegen.serve.jobs import Job, sampling_defaults
+from sparsegen.serve.lanes import Lane, Lanes, lane_key
+from sparsegen.serve.memory import MemoryBound, memory_bound
 from sparsegen.serve.metrics import Metrics
 
 
@@ -69,7 +73,11 @@ class Engine:
         self.kv_bits = checked_bits(kv_bits)  # a bad width fails now, not at the first request
         self.policy, self.budget = policy, budget or {}
         self.prefill_chunk = prefill_chunk
+        self.memory: MemoryBound | None = None  # stated once the engine is ready (`serve.memory`)
         self.packed: PackedWeights = {}  # the few-row kernel's weights, one copy for every lane (packed in `_loop`)
+        self.patched: list = []  # the Linear layers given the few-row product while a compiled step may run
+        self.compiling: BackgroundCompile | None = None
+        self.compiled = threading.Event()  # set once the compiled default lane serves (or cannot)
         self.metrics = Metrics()
         self.kv_policy(policy, self.budget)  # bad settings fail now, not at the first request
         self.sampling = sampling_defaults(model)
@@ -79,16 +87,17 @@ class Engine:
         self.admission = Admission(max_kv_bytes, row_bytes, max_queue, self.conversations, self.metrics)
         self.incoming: queue.Queue[Job] = queue.Queue()
         self.prefilling: deque[Job] = deque()
-        self.lanes: dict[tuple, Lane] = {}
+        self.lanes = Lanes(partial(self._decoder, compiled=False))
         self._lock = threading.Lock()
         self._running = True
-        self._warmed: threading.Event = threading.Event()
-        self._warm_failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="sparsegen-engine", daemon=True)
+        self._started: threading.Event = threading.Event()
+        self._start_failure: BaseException | None = None
+        bound = partial(memory_bound, model, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk, rows=max_queue)
+        self._thread = threading.Thread(target=self._loop, args=(bound,), name="sparsegen-engine", daemon=True)
         self._thread.start()
-        self._warmed.wait()
-        if self._warm_failure is not None:
-            raise self._warm_failure
+        self._started.wait()
+        if self._start_failure is not None:
+            raise self._start_failure
 
     # -- public -------------------------------------------------------------------------------
     def kv_policy(self, name: str | None, budget: dict | None) -> Policy:
@@ -110,8 +119,9 @@ class Engine:
     def close(self) -> None:
         self._running = False
         self._thread.join(timeout=10)
-        for lane in self.lanes.values():  # a compiled lane changed the model's Linear layers: undone
-            lane.decoder.release()
+        if self.compiling is not None:  # a step still compiling gives the model back when it is done
+            self.compiling.cancel()
+        self.lanes.release_all()
         self.packed = {}  # the weights' packed copy goes with the engine
 
     def held_kv_bytes(self) -> int:
@@ -122,7 +132,12 @@ class Engine:
     def stats(self) -> dict:
         with self._lock:
             active, queued = len(self.admission.admitted), len(self.admission.waiting)
-            return {"conversations": len(self.conversations), "active": active, "queued": queued}
+            step = "compiling" if not self.compiled.is_set() else self._step_kind()
+            return {"conversations": len(self.conversations), "active": active, "queued": queued, "step": step}
+
+    def _step_kind(self) -> str:
+        default = self.lanes.get(lane_key(self.kv_policy(None, None), self.kv_bits))
+        return "compiled" if default is not None and default.decoder.mode == "compiled" else "eager"
 
     def render_metrics(self) -> bytes:
         stats = self.stats()
@@ -133,30 +148,51 @@ class Engine:
         return generate_latest(self.metrics.registry)
 
     # -- worker -------------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, bound: Callable[..., MemoryBound]) -> None:
         with policy_attention(self.model):  # while the engine runs; the model's own attention after close()
             try:  # here, not in the caller's thread: a second thread's OpenMP team halves the step's speed
                 self.packed = pack_weights(self.model)
-                if self.compile:
-                    self._warm()
+                self.memory = bound(packed=self.packed)
+                self._start_compiling()
             except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
-                self._warm_failure, self._running = exc, False
+                self._start_failure, self._running = exc, False
             finally:
-                self._warmed.set()
-            while self._running:
-                busy = self.prefilling or any(lane.jobs for lane in self.lanes.values()) or self.admission.waiting
-                try:
-                    job = self.incoming.get(timeout=0 if busy else 0.05)
-                    with self._lock:
-                        self.admission.waiting.append(job)
-                    continue  # take every request that came before deciding admissions
-                except queue.Empty:
-                    pass
-                self._admit()
-                if self.prefilling:
-                    self._read_next()
-                for key, lane in list(self.lanes.items()):
-                    self._decode(key, lane)
+                self._started.set()
+            try:
+                self._serve()
+            finally:
+                restore_linears(self.patched)
+                self.patched = []
+
+    def _start_compiling(self) -> None:
+        """Give the Linear layers the few-row product for the engine's life (what the compiled
+        step is traced through; eagerly the same product `Decoder.step` uses), and compile the
+        default lane's step in a thread while the engine serves eagerly."""
+        if not self.compile:
+            self.compiled.set()
+            return
+        self.patched = use_gemv(self.model, rows_vary=True, packed=self.packed)
+        make = partial(self._decoder, compiled=True)
+        notify = partial(print, file=sys.stderr)
+        self.compiling = BackgroundCompile(make, self.kv_policy(None, None), self.kv_bits, notify)
+
+    def _serve(self) -> None:
+        while self._running:
+            self._adopt_compiled()
+            busy = self.prefilling or any(lane.jobs for lane in self.lanes.values()) or self.admission.waiting
+            try:
+                job = self.incoming.get(timeout=0 if busy else 0.05)
+                with self._lock:
+                    self.admission.waiting.append(job)
+                continue  # take every request that came before deciding admissions
+            except queue.Empty:
+                pass
+            self._admit()
+            if self.prefilling:
+                self._read_next()
+            for key, lane in list(self.lanes.items()):
+                self._decode(key, lane)
+            self.lanes.retire_drained()
 
     def _guarded(self, job: Job, action) -> None:
         """Run one job's action; a failure ends that job with an error, never the worker."""
@@ -192,7 +228,7 @@ class Engine:
             job.generator = torch.Generator().manual_seed(job.seed)  # CPU: the sampler draws there
         with self._lock:
             held = None if job.text is None else self.conversations.continued_by(job.text)
-        if held is not None and self._lane_key(job) == self._lane_key(held.cache):
+        if held is not None and lane_key(job.kv_policy, job.kv_bits) == lane_key(held.cache.policy, held.cache.kv_bits):
             with self._lock:
                 self.conversations.take(held)
             new_ids = self.tokenizer(job.text[len(held.text) :], add_special_tokens=False)["input_ids"]
@@ -244,16 +280,11 @@ class Engine:
                 return []
         return group
 
-    def _forward(self, ids: list[int], cache: PolicyCache, all_logits: bool, stop: Callable[[], bool]) -> torch.Tensor:
-        """Read `ids` into `cache`; the logits of every id, or of the last one. `stop()` is asked
-        before every decoder layer, so a cancelled prompt read whole is left within one layer."""
-        return read(self.model, ids, cache, all_logits=all_logits, stop=stop)
-
     def _read_chunk(self, job: Job) -> None:
         size = len(job.to_read) if reads_whole(job.cache) else self.prefill_chunk
         chunk, job.to_read = job.to_read[:size], job.to_read[size:]
         try:
-            logits = self._forward(chunk, job.cache, job.echo, job.cancelled.is_set)
+            logits = read(self.model, chunk, job.cache, all_logits=job.echo, stop=job.cancelled.is_set)
         except Abandoned:
             self._drop(job)
             return
@@ -274,10 +305,7 @@ class Engine:
             if job.max_tokens == 0:
                 self._complete(job, "length", None)
                 return
-            key = self._lane_key(job)
-            if key not in self.lanes:
-                self.lanes[key] = Lane(self._decoder(job.kv_policy, job.kv_bits, compiled=False))
-            lane = self.lanes[key]
+            lane = self.lanes.for_rows(job.kv_policy, job.kv_bits)
             lane.decoder.join([job.cache], job.max_tokens)
             lane.jobs.append(job)
             lane.logits = logits[None] if lane.logits is None else torch.cat([lane.logits, logits[None]])
@@ -285,33 +313,22 @@ class Engine:
 
     def _decoder(self, policy: Policy, kv_bits: int | None, compiled: bool) -> Decoder:
         """A lane's decoder: its step compiled (once for one row, once for any other count), for
-        the default lane warmed at start, or eager: a lane a request opens with other settings
-        must not stall every client for the minutes a compile takes."""
+        the default lane, built in the background (`serve.compiling`), or eager: a lane a request
+        opens with other settings must not stall every client for the minutes a compile takes."""
         mode = "always" if compiled else "never"
         return Decoder(self.model, policy, compile=mode, kv_bits=kv_bits, rows_vary=True, packed=self.packed)
 
-    @torch.inference_mode()
-    def _warm(self) -> None:
-        """Compile the default lane's step, for one row and for two (which serves every count
-        above one), before the engine takes requests (minutes the first time; cached on disk)."""
-        policy = self.kv_policy(None, None)
-        decoder = self._decoder(policy, self.kv_bits, compiled=True)
-        prompt = list(range(1, 9))
-        for rows in (1, 2):
-            caches, logits = decoder.prefill([prompt] * rows)
-            decoder.start_from(caches, 1)
-            decoder.step(logits.argmax(-1))
-        decoder.leave(list(range(decoder.rows)))
-        key = self._lane_key(Job(prompt, 1, print, kv_policy=policy, kv_bits=self.kv_bits))
-        self.lanes[key] = Lane(decoder)
-
-    @staticmethod
-    def _lane_key(holder: Job | PolicyCache) -> tuple:
-        """Rows batch together when they share the policy, every setting but the heavy and recent
-        counts (per-row budgets differ; the sinks fix the slots' layout) and the KV's bits."""
-        policy = holder.kv_policy if isinstance(holder, Job) else holder.policy
-        settings = (f for f in dataclasses.fields(policy) if f.name not in ("heavy", "recent"))
-        return (policy.name, holder.kv_bits, *((f.name, getattr(policy, f.name)) for f in settings))
+    def _adopt_compiled(self) -> None:
+        """Between iterations, once the compiled step is ready: it becomes the default lane, and
+        rows that were decoding eagerly in that lane finish there (a lane of their own, no new rows)."""
+        compiling = self.compiling
+        if compiling is None or not compiling.ready.is_set():
+            return
+        self.compiling, decoder = None, compiling.take()
+        if decoder is not None:
+            with self._lock:
+                self.lanes.adopt(decoder, compiling.policy, compiling.kv_bits)
+        self.compiled.set()
 
     # -- decode, one step for every row of a lane ------------------------------------------------
     def _decode(self, key: tuple, lane: Lane) -> None:
@@ -379,12 +396,3 @@ class Engine:
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         self.metrics.completion_tokens.inc(len(job.generated))
         job.emit(Done(reason, usage, job.shown))
-
-
-def sampling_defaults(model) -> dict:
-    """A request's sampling defaults from the model's generation config, as `model.generate()`
-    would use it: greedy unless the config samples, then its temperature and top-p."""
-    config = getattr(model, "generation_config", None)
-    if config is None or not getattr(config, "do_sample", False):
-        return {"temperature": 0.0, "top_p": 1.0}
-    return {"temperature": float(config.temperature or 1.0), "top_p": float(config.top_p or 1.0)}

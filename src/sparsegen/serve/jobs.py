@@ -1,4 +1,4 @@
-"""A request as the engine holds it (`Job`) and the rows that decode together (`Lane`)."""
+"""A request as the engine holds it (`Job`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decode import Decoder
 from sparsegen.kv import PolicyCache
 from sparsegen.kv.policy import Policy
 from sparsegen.sampling import StopRule
@@ -62,10 +61,10 @@ class Job:
         return verdict.reason
 
 
-@dataclass
-class Lane:
-    """The rows decoding under one KV policy: one batch, one step for all of them."""
-
-    decoder: Decoder
-    jobs: list[Job] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # each row's next-token logits [rows, vocab]
+def sampling_defaults(model) -> dict:
+    """A request's sampling defaults from the model's generation config, as `model.generate()`
+    would use it: greedy unless the config samples, then its temperature and top-p."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not getattr(config, "do_sample", False):
+        return {"temperature": 0.0, "top_p": 1.0}
+    return {"temperature": float(config.temperature or 1.0), "top_p": float(config.top_p or 1.0)}

@@ -25,7 +25,14 @@ def _server(request: Request) -> Server:
 @router.get("/health")
 async def health(request: Request):
     server = _server(request)
-    return {"status": "ok", "model": server.model_id, "policy": server.engine.policy, **server.engine.stats()}
+    engine = server.engine
+    return {
+        "status": "ok",
+        "model": server.model_id,
+        "policy": engine.policy,
+        **engine.stats(),
+        "memory_bound": engine.memory.as_dict(),
+    }
 
 
 @router.get("/metrics")
