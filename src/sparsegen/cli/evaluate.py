@@ -24,6 +24,9 @@ from sparsegen.cli.common import (
 )
 from sparsegen.errors import SparsegenError
 
+DECODING = ("window", "streaming", "h2o", "streaming_h2o", "tova")
+"""The policies that evict while decoding (`eval.long_output.DECODING_POLICIES`, named here without torch)."""
+
 
 @eval_app.command("prune-quality")
 def prune_quality_command(
@@ -261,3 +264,26 @@ def eval_zeroshot(
     title = f"{model} · {lm.policy}" + (f" · limit {limit}" if limit else "")
     out.print(table(summary_rows(summary), ZEROSHOT_COLUMNS, title=title))
     out.print(f"wrote {out_dir}/results.json")
+
+
+@eval_app.command("long-output")
+def long_output_command(
+    model: str = ModelOpt,
+    prompt: str = typer.Option("text", "--prompt", help="text (continue a text) or code (ask for a program)."),
+    tokens: int = typer.Option(2048, "--tokens", help="Tokens the full cache writes and every policy follows."),
+    budget: float = typer.Option(0.25, "--budget", help="Each policy's KV budget as a share of --tokens."),
+    policies: str = typer.Option(",".join(DECODING), "--policies", help="Policies that evict while decoding."),
+    text: str = typer.Option("shakespeare", "--text", help="The text whose opening --prompt text continues."),
+    compile: str = typer.Option("never", "--compile", help="never, auto or always: the decoders' step."),
+    out_dir: Path = typer.Option(Path("results/long_output"), "--out"),
+    device: str | None = DeviceOpt,
+) -> None:
+    """Fidelity while the model writes: each policy's next-token choice and KL against the full
+    cache's, along the full cache's own greedy output."""
+    from sparsegen.eval.long_output import COLUMNS, long_output
+    from sparsegen.report import markdown_table
+
+    names = tuple(name for name in policies.split(",") if name)
+    result = long_output(model, prompt, tokens, budget, names, text, out_dir, compile, device)
+    out.print(markdown_table(result["rows"], COLUMNS))
+    out.print(f"wrote {out_dir}/long_output.json, .md and .png")
