@@ -40,12 +40,9 @@ def local_headers(source: Path) -> dict[str, bytes]:
     return found
 
 
-@functools.cache
-def build(source: Path, what: str):
-    """The extension module built from `source` (C++ with a PYBIND11 module), or None; `what`
-    names the kernels in the one-line message when they cannot be built."""
-    from torch.utils import cpp_extension
-
+def build_folder(source: Path) -> Path:
+    """The cache folder `source` is built in, named by the hash of its code, the headers it includes,
+    the flags, the CPU and torch, with a copy of the source and those headers in it."""
     from sparsegen.assets import cache_dir
 
     code, headers = source.read_bytes(), local_headers(source)
@@ -58,6 +55,16 @@ def build(source: Path, what: str):
     # headers go first, so that a source found there has its headers beside it
     for name, text in [*headers.items(), (source.name, code)]:
         _write_once(folder / name, text)
+    return folder
+
+
+@functools.cache
+def build(source: Path, what: str):
+    """The extension module built from `source` (C++ with a PYBIND11 module), or None; `what`
+    names the kernels in the one-line message when they cannot be built."""
+    from torch.utils import cpp_extension
+
+    folder = build_folder(source)
     try:
         return cpp_extension.load(
             f"sparsegen_{source.stem}",
