@@ -75,7 +75,7 @@ def test_the_repacked_weight_is_the_grid_and_prompts_multiply_it_in_float():
 def test_layers_the_op_does_not_take_keep_weight_only_products_and_say_why():
     verdicts = {}
     int8 = pack_linear(*_grid(8, 0, False)[:3], 8, verdicts=verdicts, activation_bits=8)
-    assert isinstance(int8, Int8Linear) and "int8 weights" in verdicts["integer-dot"]
+    assert isinstance(int8, Int8Linear) and "int8 weights" in verdicts["integer-dot"].reason
     int4 = pack_linear(*_grid(4, 32, False)[:3], 4, verdicts=verdicts, activation_bits=8)
     assert isinstance(int4, IntDotLinear) and verdicts[IntDotLinear] is None
     assert isinstance(pack_linear(*_grid(4, 32, False)[:3], 4), Int4Linear)  # weight-only unless asked

@@ -3,11 +3,14 @@ first use by `build`), their loaders, and the Triton kernels of contextual spars
 
 Each loader returns its source's built module (its ops registered with torch's dispatcher as
 `torch.ops.sparsegen.*`), or None where it cannot be built (said once on stderr; the caller keeps
-its torch path). This package imports nothing of sparsegen's but the cache folder: `kv/`, `quant/`,
+its torch path); a packer that finds no kernel for a layer returns `Unpacked(reason)` instead of
+the layer. This package imports nothing of sparsegen's but the cache folder: `kv/`, `quant/`,
 `decode/` and `few_rows.py` import it. `python -m sparsegen.kernels` builds every source now.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from sparsegen.kernels import build as builder
 
@@ -16,6 +19,17 @@ KV_INT = SOURCES / "kv_int.cpp"
 INT_DOT = SOURCES / "int_dot.cpp"
 GGUF_DOT = SOURCES / "gguf_dot.cpp"
 FLOAT_ROWS = SOURCES / "float_rows.cpp"
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """Why no kernel takes a layer, which then keeps its float form: what a packer
+    (`quant.packed.pack_linear`, `prune.accelerate.sparse_form`, ...) returns in place of the layer."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 def load_kv_int():

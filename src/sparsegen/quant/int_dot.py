@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kernels import load_int_dot
+from sparsegen.kernels import Unpacked, load_int_dot
 from sparsegen.quant.linear import PackedLinear
 
 BLOCK = 32
@@ -124,17 +124,18 @@ def repack(integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     return nibbles.contiguous(), scales.contiguous(), mins.contiguous()
 
 
-def int_dot_linear(integers, scale, zero_point, bits: int, bias=None) -> IntDotLinear | str:
+def int_dot_linear(integers, scale, zero_point, bits: int, bias=None) -> IntDotLinear | Unpacked:
     """The integer-dot layer for a grid, or why it cannot take it."""
     out_features, in_features = integers.shape
     if bits > 4:
-        return f"int{bits} weights: integer-dot products are written for int2-int4"
+        return Unpacked(f"int{bits} weights: integer-dot products are written for int2-int4")
     if integers.device.type != "cpu":
-        return "integer-dot products run on a CPU"
+        return Unpacked("integer-dot products run on a CPU")
     if in_features % (scale.shape[1] * BLOCK):
-        return f"groups of {in_features // scale.shape[1]} inputs: integer-dot products take multiples of {BLOCK}"
+        group = in_features // scale.shape[1]
+        return Unpacked(f"groups of {group} inputs: integer-dot products take multiples of {BLOCK}")
     if load_int_dot() is None:
-        return "the integer-dot kernels could not be built"
+        return Unpacked("the integer-dot kernels could not be built")
     return IntDotLinear(*repack(integers, scale, zero_point), bias)
 
 
@@ -145,17 +146,17 @@ def checked_activation_bits(bits: int | None) -> int | None:
     return bits
 
 
-def integer_head(model: torch.nn.Module) -> str | None:
+def integer_head(model: torch.nn.Module) -> Unpacked | None:
     """Give a model whose body multiplies by integer dots its output head in int8 too (the fp32
     head of a small model is most of what an int4 step reads); None, or why it keeps its head.
     A tied head becomes a layer of its own: the input embedding stays as it was."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        return "the output head is not a plain Linear"
+        return Unpacked("the output head is not a plain Linear")
     if head.weight.device.type != "cpu" or head.in_features % BLOCK:
-        return f"the head needs a CPU and inputs in multiples of {BLOCK}"
+        return Unpacked(f"the head needs a CPU and inputs in multiples of {BLOCK}")
     if load_int_dot() is None:
-        return "the integer-dot kernels could not be built"
+        return Unpacked("the integer-dot kernels could not be built")
     model.set_output_embeddings(Int8DotLinear.rounded(head.weight))
     model.config.tie_word_embeddings = False  # the head is its own now: nothing may tie it back
     return None
