@@ -9,7 +9,7 @@ $(BIN)/sparsegen: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	$(BIN)/python -m sparsegen.native  # the C++ kernels, built once for this machine (cached)
+	$(BIN)/python -m sparsegen.kernels  # the C++ kernels, built once for this machine (cached)
 	touch $@
 
 .PHONY: install demo demo-long test test-fast lint

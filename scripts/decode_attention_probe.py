@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from sparsegen.native import build
+from sparsegen.kernels.build import build
 
 Q_HEADS, KV_HEADS, DIM, SLOTS, LIVE, LAYERS = 9, 3, 64, 1152, 1024, 30
 

@@ -1,5 +1,5 @@
 """One decode step's attention products over 8,192 held tokens x 30 layers (SmolLM2's 3 KV heads,
-3 queries each, d = 64): fp32 `q @ K^T` and `p @ V` against the int4 kernels of `kv/kernels`
+3 queries each, d = 64): fp32 `q @ K^T` and `p @ V` against the int4 kernels of `kv/kernels.py`
 (docs/benchmarks.md, "Decode speed and bytes"). Run it on a quiet machine.
 
     python scripts/kv_kernel_timing.py

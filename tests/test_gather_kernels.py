@@ -19,9 +19,9 @@ TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1.6e-2, 1e-2), torch.
 def kernels():
     """The kernels: compiled on a GPU, interpreted on CPU tensors elsewhere (tests/conftest.py)."""
     pytest.importorskip("triton")
-    from sparsegen import gather_kernels
+    from sparsegen.kernels import gather
 
-    return gather_kernels
+    return gather
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

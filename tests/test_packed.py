@@ -6,6 +6,7 @@ import torch
 
 import sparsegen
 from sparsegen.errors import SparsegenError
+from sparsegen.kernels import Unpacked
 from sparsegen.prune import prune
 from sparsegen.quant import QuantScheme, make_quantizer, quantize
 from sparsegen.quant.checkpoint import save_quantized
@@ -57,11 +58,12 @@ def test_packed_linear_equals_dequantize_then_matmul(bits, group, kernel, symmet
 
 def test_layouts_without_a_kernel_say_why():
     integers, scale, zero_point, _ = _grid(8, 32, False)
-    assert "one scale a row (--group-size 0)" in pack_linear(integers, scale, zero_point, 8)
+    assert "one scale a row (--group-size 0)" in pack_linear(integers, scale, zero_point, 8).reason
     integers, scale, zero_point, _ = _grid(4, 48, False)
-    assert "multiples of 32" in pack_linear(integers, scale, zero_point, 4)
+    assert "multiples of 32" in pack_linear(integers, scale, zero_point, 4).reason
     integers, scale, zero_point, _ = _grid(4, 32, False, out=40)
-    assert "multiples of 16" in pack_linear(integers, scale, zero_point, 4)
+    assert "multiples of 16" in pack_linear(integers, scale, zero_point, 4).reason
+    assert isinstance(pack_linear(integers.to("meta"), scale, zero_point, 4), Unpacked)  # no kernel for the device
 
 
 def _packed_layers(model) -> list[PackedLinear]:

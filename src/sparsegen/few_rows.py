@@ -7,24 +7,22 @@ import functools
 import types
 from collections.abc import Callable
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-from sparsegen.native import build
+from sparsegen.kernels import load_float_rows
 
 GEMV_ROWS = 4
 FLOAT_ROWS_MAX = 16
 """Rows up to which eager products without packed weights go weight first (beyond, `prompt_linear`)."""
-FLOAT_ROWS_SOURCE = Path(__file__).parent / "decode" / "kernels" / "float_rows.cpp"
 
 
 @functools.cache
 def float_rows_op() -> Callable | None:
     """`sparsegen::float_rows_linear` (x [rows, in] fp32 times a weight packed once by
-    `sparsegen::float_rows_pack`, the weight read once for every row: `decode/kernels/float_rows.cpp`),
+    `sparsegen::float_rows_pack`, the weight read once for every row: `kernels/float_rows.cpp`),
     or None where the kernel cannot be built (said once on stderr; the products stay torch's)."""
-    if build(FLOAT_ROWS_SOURCE, "the few-row fp32 kernel") is None:
+    if load_float_rows() is None:
         return None
     return torch.ops.sparsegen.float_rows_linear
 

@@ -195,7 +195,7 @@ def _from_pretrained(
     if any(isinstance(layer, IntDotLinear) for layer in layers.values()):
         why = integer_head(model)  # the head's products in integers too
         if why:
-            print(f"the output head stays in float: {why}", file=sys.stderr)
+            print(f"the output head stays in float: {why.reason}", file=sys.stderr)
     return model
 
 

@@ -23,6 +23,7 @@ from sparsegen.bench.synthetic import llama_config
 from sparsegen.contextual import densify, sparsify
 from sparsegen.decode import generate
 from sparsegen.ioutil import write_json, write_text
+from sparsegen.kernels import Unpacked
 from sparsegen.kv.footprint import kv_bytes_per_token
 from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune import prune
@@ -90,7 +91,7 @@ def _semi_structured(device: torch.device, dtype: torch.dtype, out_features: int
         linear.weight.masked_fill_(mask_lowest(linear.weight.abs(), Pattern.parse(0.5, "2:4"), per_row=True), 0)
     sparse = sparse_form(linear)
     if not isinstance(sparse, SemiStructuredLinear):
-        why = sparse if isinstance(sparse, str) else "semi-structured sparse tensors need a CUDA GPU"
+        why = sparse.reason if isinstance(sparse, Unpacked) else "semi-structured sparse tensors need a CUDA GPU"
         return [{"what": "2:4 matmul", "setting": f"{out_features}x{in_features}", "note": f"not run here: {why}"}]
     rows = []
     for batch in (1, 4, 16):

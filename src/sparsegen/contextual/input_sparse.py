@@ -6,7 +6,7 @@ Projections that read the same input share one selection and one gather: q, k an
 weights side by side (measured on the Xeon host: 19.2 ms against 25.3 ms for the seven projections
 gathered one by one, 30 layers of SmolLM2 at 75% kept). The weights are stored transposed and
 `embedding_bag` sums the kept rows, in two bags that split the kept rows between the two cores.
-On a GPU, a Triton gather-GEMV (`sparsegen.gather_kernels`) reads each row's own kept rows for
+On a GPU, a Triton gather-GEMV (`sparsegen.kernels.gather`) reads each row's own kept rows for
 the few rows of a decode step (or, `shared`, the union of a batch's kept rows once).
 """
 
@@ -58,14 +58,14 @@ class InputSparseLinear(nn.Module):
 
     def gathered_per_row(self, rows: torch.Tensor) -> torch.Tensor:
         """[rows, outs] by the Triton gather-GEMV: each row reads only its own kept inputs' rows."""
-        from sparsegen.gather_kernels import gathered_product  # triton: imported only on a GPU
+        from sparsegen.kernels.gather import gathered_product  # triton: imported only on a GPU
 
         return gathered_product(rows, self.weight_t, self.kept(rows))
 
     def gathered_shared(self, rows: torch.Tensor) -> torch.Tensor:
         """[rows, outs] by the Triton gather-GEMV over the union of the rows' kept inputs, each
         row's other inputs zeroed: the same values as `gathered_per_row`, each weight row read once."""
-        from sparsegen.gather_kernels import gathered_product  # triton: imported only on a GPU
+        from sparsegen.kernels.gather import gathered_product  # triton: imported only on a GPU
 
         chosen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, self.kept(rows), True)
         return gathered_product(rows * chosen, self.weight_t, chosen.any(0).nonzero().squeeze(1))

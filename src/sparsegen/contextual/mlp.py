@@ -7,7 +7,7 @@ weighted by h, reading no other memory. With several rows, their kept sets are u
 batching). Longer inputs (prefill, teacher-forced evaluation) take the masked path: the dense MLP
 with each token's unkept neurons zeroed, which is what the gathered path computes token by token.
 A static selector's rows are gathered once, at construction: a smaller dense MLP. On a GPU the
-gathers are Triton kernels (`sparsegen.gather_kernels`) that read only the kept rows.
+gathers are Triton kernels (`sparsegen.kernels.gather`) that read only the kept rows.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class SparseMLP(nn.Module):
     def _gathered_on_gpu(self, rows: torch.Tensor, index: torch.Tensor, gate_act: torch.Tensor | None):
         """The gathered path as two Triton kernels: the kept neurons' gate and up rows (or up's
         alone, the gate being known), then their rows of the transposed down projection."""
-        from sparsegen.gather_kernels import gathered_product, product_of_rows  # triton: only on a GPU
+        from sparsegen.kernels.gather import gathered_product, product_of_rows  # triton: only on a GPU
 
         if gate_act is not None:
             up = product_of_rows(rows, self.up.weight, index)

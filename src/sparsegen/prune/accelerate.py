@@ -18,6 +18,7 @@ import warnings
 import torch
 from torch import nn
 
+from sparsegen.kernels import Unpacked
 from sparsegen.layerwise import block_linears
 from sparsegen.models import decoder_layers
 
@@ -69,14 +70,14 @@ def is_two_four(weight: torch.Tensor) -> bool:
     return weight.shape[1] % 4 == 0 and bool(((weight != 0).view(-1, 4).sum(-1) <= 2).all())
 
 
-def sparse_form(linear: nn.Linear) -> nn.Module | str:
+def sparse_form(linear: nn.Linear) -> nn.Module | Unpacked:
     """The sparse module for a pruned Linear on its device, or why none can be built: on a GPU
     the semi-structured form of a 2:4 weight, else a CSR matrix."""
     if linear.weight.is_cuda and is_two_four(linear.weight):
         try:
             return SemiStructuredLinear(linear)
         except (RuntimeError, ValueError, NotImplementedError) as exc:
-            return f"2:4 as semi-structured: {str(exc).splitlines()[0][:120]}"
+            return Unpacked(f"2:4 as semi-structured: {str(exc).splitlines()[0][:120]}")
     return CSRLinear(linear)
 
 
@@ -106,11 +107,11 @@ def accelerate(model: nn.Module, min_speedup: float = 1.1, repeats: int = 20) ->
             if (linear.weight == 0).any():
                 found.append((f"{i}.{name}", block, name, linear))
     forms = [sparse_form(linear) for *_, linear in found]
-    reasons = {label: form for (label, *_), form in zip(found, forms, strict=True) if isinstance(form, str)}
+    reasons = {label: form.reason for (label, *_), form in zip(found, forms, strict=True) if isinstance(form, Unpacked)}
     if reasons:
         first = next(iter(reasons))
         print(f"{len(reasons)} pruned layer(s) stay dense ({first}, ...): {reasons[first]}", file=sys.stderr)
-    kept = [(entry, form) for entry, form in zip(found, forms, strict=True) if not isinstance(form, str)]
+    kept = [(entry, form) for entry, form in zip(found, forms, strict=True) if not isinstance(form, Unpacked)]
     if not kept:
         return {}
     found, sparse_modules = [entry for entry, _ in kept], [form for _, form in kept]

@@ -198,6 +198,7 @@ def packed_state(
     gets its float weight instead, with why."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
+    from sparsegen.kernels import Unpacked
     from sparsegen.quant.packed import dequantized, pack_linear
 
     parsed = _parse(config)
@@ -215,14 +216,14 @@ def packed_state(
         grid = (t.to(device) for t in (integers, scale, zero_point))
         bias = None if bias is None else bias.to(device, dtype)
         layer = pack_linear(*grid, bits, bias, verdicts, activation_bits)
-        if isinstance(layer, str):
+        if isinstance(layer, Unpacked):
             floats[f"{module}.weight"] = dequantized(integers, scale, zero_point)
-            unpacked[module] = layer
+            unpacked[module] = layer.reason
         else:
             floats.pop(f"{module}.bias", None)
             layers[module] = layer
     if verdicts.get("integer-dot"):
-        print(f"sparsegen: some layers keep weight-only products ({verdicts['integer-dot']})", file=sys.stderr)
+        print(f"sparsegen: some layers keep weight-only products ({verdicts['integer-dot'].reason})", file=sys.stderr)
     return floats, layers, unpacked
 
 

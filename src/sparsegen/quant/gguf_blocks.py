@@ -4,13 +4,11 @@ A GGUF weight is a row-major run of ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ov
 Q4_K, Q5_K, Q6_K over 256), each block its own scales. `GGUFLinear` keeps those bytes as they are
 in the file, one row of blocks per output, and multiplies them as llama.cpp's CPU products do: each
 input row rounded to int8 (Q8_0 per 32 inputs for the 32-blocks, Q8_K per 256 for the K-quants)
-and summed as integers against the weight's own codes (`quant/kernels/gguf_dot.cpp`). The weights
+and summed as integers against the weight's own codes (`kernels/gguf_dot.cpp`). The weights
 are never dequantized and quantized again: the model is the file's model.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,24 +16,18 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sparsegen.errors import SparsegenError
-from sparsegen.native import build
+from sparsegen.kernels import load_gguf_dot
 from sparsegen.quant.int_dot import IntegerDotLinear
 
-SOURCE = Path(__file__).parent / "kernels" / "gguf_dot.cpp"
 KERNEL_TYPES = tuple(
     GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 )
 """The block formats the integer-dot kernel reads; other quantized tensors are dequantized at load."""
 
 
-def _extension():
-    return build(SOURCE, "the GGUF block kernels")
-
-
 def kernels_ready() -> bool:
-    """Whether the block kernels are built (and their op registered) on this machine (not before
-    their source is in the package)."""
-    return SOURCE.is_file() and _extension() is not None
+    """Whether the block kernels are built (and their op registered) on this machine."""
+    return load_gguf_dot() is not None
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:

@@ -3,7 +3,7 @@
 PyTorch's weight-only int4 CPU kernel converts every weight to float and multiplies in float. Here
 each input row is rounded to int8 in blocks of 32 inside the op (one fp32 step a block) and each
 block of 32 weights times 32 input bytes is summed as integers, as llama.cpp's q4 x q8 products
-do: `quant/kernels/int_dot.cpp`, built on first use (`sparsegen.native`), one op registered with
+do: `kernels/int_dot.cpp`, built on first use (`sparsegen.kernels`), one op registered with
 torch's dispatcher from C++ (no Python a call) with a meta implementation, so a compiled step
 keeps it as one opaque call. The weights are
 repacked once, at load, into the layout the kernel reads. Where the kernel cannot be built, or a
@@ -12,29 +12,22 @@ layer's shape does not fit it, `int_dot_linear` says why and the caller keeps th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.native import build
+from sparsegen.kernels import Unpacked, load_int_dot
 from sparsegen.quant.linear import PackedLinear
 
-SOURCE = Path(__file__).parent / "kernels" / "int_dot.cpp"
 BLOCK = 32
 MAX_ROWS = 16
 """More rows than this (a prompt being read) multiply the decoded weight in float."""
 ACTIVATION_BITS = (None, 8)
 
 
-def _extension():
-    return build(SOURCE, "the integer-dot kernels")
-
-
 def int4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x [rows, in] fp32 times the int4 weight [out, in] held as (`nibbles`, `scales`, `mins`):
     `sparsegen::int4_linear`, registered (with its meta shape function) when the C++ is built."""
-    if _extension() is None:
+    if load_int_dot() is None:
         raise SparsegenError("the integer-dot kernels could not be built on this machine (see the message above)")
     return torch.ops.sparsegen.int4_linear(x, nibbles, scales, mins)
 
@@ -99,7 +92,7 @@ class Int8DotLinear(IntegerDotLinear):
     @classmethod
     def rounded(cls, weight: torch.Tensor) -> Int8DotLinear:
         """`weight` [out, in] rounded to int8, each block of 32 inputs to its own largest magnitude."""
-        if _extension() is None:  # builds and registers the op the layer calls
+        if load_int_dot() is None:  # builds and registers the op the layer calls
             raise SparsegenError("the integer-dot kernels could not be built on this machine (see the message above)")
         blocks = weight.detach().float().view(weight.shape[0], -1, BLOCK)
         scales = blocks.abs().amax(-1) / 127
@@ -131,17 +124,18 @@ def repack(integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     return nibbles.contiguous(), scales.contiguous(), mins.contiguous()
 
 
-def int_dot_linear(integers, scale, zero_point, bits: int, bias=None) -> IntDotLinear | str:
+def int_dot_linear(integers, scale, zero_point, bits: int, bias=None) -> IntDotLinear | Unpacked:
     """The integer-dot layer for a grid, or why it cannot take it."""
     out_features, in_features = integers.shape
     if bits > 4:
-        return f"int{bits} weights: integer-dot products are written for int2-int4"
+        return Unpacked(f"int{bits} weights: integer-dot products are written for int2-int4")
     if integers.device.type != "cpu":
-        return "integer-dot products run on a CPU"
+        return Unpacked("integer-dot products run on a CPU")
     if in_features % (scale.shape[1] * BLOCK):
-        return f"groups of {in_features // scale.shape[1]} inputs: integer-dot products take multiples of {BLOCK}"
-    if _extension() is None:
-        return "the integer-dot kernels could not be built"
+        group = in_features // scale.shape[1]
+        return Unpacked(f"groups of {group} inputs: integer-dot products take multiples of {BLOCK}")
+    if load_int_dot() is None:
+        return Unpacked("the integer-dot kernels could not be built")
     return IntDotLinear(*repack(integers, scale, zero_point), bias)
 
 
@@ -152,17 +146,17 @@ def checked_activation_bits(bits: int | None) -> int | None:
     return bits
 
 
-def integer_head(model: torch.nn.Module) -> str | None:
+def integer_head(model: torch.nn.Module) -> Unpacked | None:
     """Give a model whose body multiplies by integer dots its output head in int8 too (the fp32
     head of a small model is most of what an int4 step reads); None, or why it keeps its head.
     A tied head becomes a layer of its own: the input embedding stays as it was."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        return "the output head is not a plain Linear"
+        return Unpacked("the output head is not a plain Linear")
     if head.weight.device.type != "cpu" or head.in_features % BLOCK:
-        return f"the head needs a CPU and inputs in multiples of {BLOCK}"
-    if _extension() is None:
-        return "the integer-dot kernels could not be built"
+        return Unpacked(f"the head needs a CPU and inputs in multiples of {BLOCK}")
+    if load_int_dot() is None:
+        return Unpacked("the integer-dot kernels could not be built")
     model.set_output_embeddings(Int8DotLinear.rounded(head.weight))
     model.config.tie_word_embeddings = False  # the head is its own now: nothing may tie it back
     return None

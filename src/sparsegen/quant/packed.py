@@ -26,6 +26,7 @@ import sys
 import torch
 from torch import nn
 
+from sparsegen.kernels import Unpacked
 from sparsegen.quant.int_dot import int_dot_linear
 from sparsegen.quant.linear import KERNEL_DTYPE, PackedLinear
 from sparsegen.quant.quantizer import Grid, QuantScheme
@@ -79,11 +80,12 @@ def pack_linear(
     zero_point: torch.Tensor,
     bits: int,
     bias: torch.Tensor | None = None,
-    verdicts: dict[type | str, str | None] | None = None,
+    verdicts: dict[type | str, Unpacked | None] | None = None,
     activation_bits: int | None = None,
-) -> PackedLinear | str:
+) -> PackedLinear | Unpacked:
     """The packed layer for signed `integers` [out, in] with `scale` and `zero_point` [out, groups],
-    packed for the integers' device, or why no kernel takes this layout (the caller then dequantizes).
+    packed for the integers' device, or `Unpacked`: why no kernel takes this layout (the caller then
+    dequantizes).
     With `verdicts` (one dict per model), the first layer of each kernel is checked against its
     dequantized weight: a kernel that disagrees leaves every one of its layers to the float path.
     `activation_bits=8` asks for integer-dot products (`quant.int_dot`) where they take the layer;
@@ -92,10 +94,10 @@ def pack_linear(
     group = in_features // scale.shape[1]
     device = integers.device.type
     if device not in ("cpu", "cuda"):
-        return f"no packed kernel is wired for {device}"
+        return Unpacked(f"no packed kernel is wired for {device}")
     if activation_bits == 8:
         layer = int_dot_linear(integers, scale, zero_point, bits, bias)
-        if not isinstance(layer, str):
+        if not isinstance(layer, Unpacked):
             return _checked(layer, integers, scale, zero_point, verdicts)
         if verdicts is not None:
             verdicts.setdefault("integer-dot", layer)
@@ -103,9 +105,9 @@ def pack_linear(
     if bits <= 4:
         kernel_group = next((g for g in INT4_GROUPS if group % g == 0), None)
         if kernel_group is None:
-            return f"int{bits} groups of {group} inputs: the int4 kernel takes multiples of 32"
+            return Unpacked(f"int{bits} groups of {group} inputs: the int4 kernel takes multiples of 32")
         if out_features % 16:
-            return f"{out_features} outputs: the int4 kernel takes multiples of 16"
+            return Unpacked(f"{out_features} outputs: the int4 kernel takes multiples of 16")
         repeat = group // kernel_group
         group_scale = scale.float().repeat_interleave(repeat, 1)
         offset = -zero_point.repeat_interleave(repeat, 1) * group_scale
@@ -114,14 +116,15 @@ def pack_linear(
         scale_and_offset = torch.stack([group_scale, offset], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
         layer = Int4Linear(packed, scale_and_offset, kernel_group, in_features, bias)
     elif scale.shape[1] != 1:
-        return f"int{bits} with {scale.shape[1]} groups a row: the int8 kernel takes one scale a row (--group-size 0)"
+        why = f"int{bits} with {scale.shape[1]} groups a row: the int8 kernel takes one scale a row (--group-size 0)"
+        return Unpacked(why)
     else:
         offset = None if not zero_point.any() else (zero_point * scale.float())[:, 0].to(KERNEL_DTYPE)
         layer = Int8Linear(integers.to(torch.int8).contiguous(), scale[:, 0].to(KERNEL_DTYPE), offset, bias)
     return _checked(layer, integers, scale, zero_point, verdicts)
 
 
-def _checked(layer: PackedLinear, integers, scale, zero_point, verdicts: dict | None) -> PackedLinear | str:
+def _checked(layer: PackedLinear, integers, scale, zero_point, verdicts: dict | None) -> PackedLinear | Unpacked:
     """`layer`, or why its kernel's layers stay float (`pack_linear`'s `verdicts`)."""
     if verdicts is None:
         return layer
@@ -139,7 +142,9 @@ def _int4_tiles(nibbles: torch.Tensor) -> torch.Tensor:
     return torch._convert_weight_to_int4pack(pairs.contiguous(), inner)
 
 
-def _disagreement(layer: PackedLinear, integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor):
+def _disagreement(
+    layer: PackedLinear, integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
+) -> Unpacked | None:
     """None when `layer`'s kernel gives the dequantized weight's product on a random input (within
     bf16 rounding), else why not."""
     x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(0)).to(integers.device)
@@ -150,7 +155,7 @@ def _disagreement(layer: PackedLinear, integers: torch.Tensor, scale: torch.Tens
     if error <= AGREEMENT:
         return None
     kernel = f"the {type(layer).__name__} kernel on {integers.device.type}"
-    return f"{kernel} disagrees with the dequantized weight (error {error:.2g})"
+    return Unpacked(f"{kernel} disagrees with the dequantized weight (error {error:.2g})")
 
 
 def dequantized(integers: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
@@ -184,8 +189,8 @@ def pack_quantized(model: nn.Module, grids: dict[str, Grid], scheme: QuantScheme
         bias = None if linear.bias is None else linear.bias.detach()
         scale, zero_point = grid.scale.to(scheme.scale_dtype), grid.zero_point.to(torch.int8)
         layer = pack_linear(integers.to(torch.int8), scale, zero_point, scheme.bits, bias, verdicts)
-        if isinstance(layer, str):
-            unpacked[name] = layer
+        if isinstance(layer, Unpacked):
+            unpacked[name] = layer.reason
         else:
             model.set_submodule(name, layer)
     return unpacked

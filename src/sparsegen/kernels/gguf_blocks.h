@@ -1,4 +1,5 @@
-// A linear layer over a GGUF tensor's own blocks, its products integer dots as llama.cpp's CPU does.
+// The block formats of a GGUF tensor for gguf_dot.cpp (its one includer: this header's namespace is that
+// translation unit's anonymous one): each block decoded, the input rounded, their integer-dot products.
 // The weight is [out, row_bytes] uint8, each row the ggml blocks of one output (ggml-common.h):
 //
 //   Q4_0  fp16 d, 16 bytes of nibbles          w = d (u - 8)           u in 0..15   (32 a block)
@@ -18,11 +19,9 @@
 // codes per 16). Unsigned codes times signed bytes sum exactly in vpmaddubsw's int16 pairs (|u| <= 63),
 // signed Q8_0 codes by the sign trick; sub-block scales multiply int16 pair sums in vpmaddwd. The
 // result is the dequantized weight times the rounded input, up to fp32 summation order.
-//
-// Rows of the input go through in tiles of up to four against one output row at a time (its
-// blocks read once from L1 for the tile), inputs in groups sized for L2, outputs split over threads.
+#pragma once
+
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -39,8 +38,6 @@
 namespace {
 
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-constexpr int kTile = 4;           // input rows against one output row at a time
-constexpr int64_t kGroupBytes = 1 << 18;  // input codes held in L2 while every output passes over them
 
 struct FormatInfo {
   int64_t per_block, block_bytes;
@@ -348,134 +345,6 @@ inline void block256(const uint8_t* w, const Rounded& r, const int64_t* at, __m2
     offset[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by16), _mm256_set1_ps(offset_factor * step), offset[k]);
   }
 }
-
-// One output row times input rows [row0, row0 + kRows). The 32-blocks alternate between two sets
-// of accumulators, so that one block's sums need not wait on the last's (one row is otherwise
-// bound by the latency of its one chain of multiply-adds).
-template <int64_t F, int kRows>
-void output_row(const uint8_t* w, int64_t blocks, int64_t block_bytes, const Rounded& r, int64_t row0, float* result) {
-  constexpr bool kK = F == kQ4_K || F == kQ5_K || F == kQ6_K;
-  __m256 acc[kRows], other[kRows], offset_vec[kRows];
-  float offset[kRows], other_offset[kRows];
-  int64_t at[kRows];
-  for (int k = 0; k < kRows; ++k) {
-    acc[k] = other[k] = offset_vec[k] = _mm256_setzero_ps(), offset[k] = other_offset[k] = 0.f;
-    at[k] = (row0 + k) * blocks;
-  }
-  int64_t b = 0;
-  if (!kK) {
-    for (; b + 1 < blocks; b += 2) {
-      block32<F, kRows>(w + b * block_bytes, r, at, acc, offset);
-      for (int k = 0; k < kRows; ++k) ++at[k];
-      block32<F, kRows>(w + (b + 1) * block_bytes, r, at, other, other_offset);
-      for (int k = 0; k < kRows; ++k) ++at[k];
-    }
-  }
-  for (; b < blocks; ++b) {
-    if (kK)
-      block256<F, kRows>(w + b * block_bytes, r, at, acc, offset_vec);
-    else
-      block32<F, kRows>(w + b * block_bytes, r, at, acc, offset);
-    for (int k = 0; k < kRows; ++k) ++at[k];
-  }
-  for (int k = 0; k < kRows; ++k) {
-    const __m256 sums = _mm256_sub_ps(_mm256_add_ps(acc[k], other[k]), offset_vec[k]);
-    result[k] = sum_of(sums) + (offset[k] + other_offset[k]);
-  }
-}
-
-template <int64_t F>
-void output_tile(const uint8_t* w, int64_t blocks, int64_t block_bytes, const Rounded& r, int64_t row0, int count,
-                 float* result) {
-  switch (count) {
-    case 1: output_row<F, 1>(w, blocks, block_bytes, r, row0, result); break;
-    case 2: output_row<F, 2>(w, blocks, block_bytes, r, row0, result); break;
-    case 3: output_row<F, 3>(w, blocks, block_bytes, r, row0, result); break;
-    default: output_row<F, 4>(w, blocks, block_bytes, r, row0, result); break;
-  }
-}
 #endif
-
-// Input rows [row0, row0 + count) times one output row, count <= kTile.
-void tile(int64_t format, const uint8_t* w, int64_t blocks, const Rounded& r, int64_t row0, int count, float* result) {
-  const int64_t block_bytes = info_of(format).block_bytes;
-#ifdef SPARSEGEN_AVX2
-  switch (format) {
-    case kQ4_0: return output_tile<kQ4_0>(w, blocks, block_bytes, r, row0, count, result);
-    case kQ4_1: return output_tile<kQ4_1>(w, blocks, block_bytes, r, row0, count, result);
-    case kQ5_0: return output_tile<kQ5_0>(w, blocks, block_bytes, r, row0, count, result);
-    case kQ5_1: return output_tile<kQ5_1>(w, blocks, block_bytes, r, row0, count, result);
-    case kQ8_0: return output_tile<kQ8_0>(w, blocks, block_bytes, r, row0, count, result);
-    case kQ4_K: return output_tile<kQ4_K>(w, blocks, block_bytes, r, row0, count, result);
-    case kQ5_K: return output_tile<kQ5_K>(w, blocks, block_bytes, r, row0, count, result);
-    default: return output_tile<kQ6_K>(w, blocks, block_bytes, r, row0, count, result);
-  }
-#else
-  for (int k = 0; k < count; ++k) {
-    result[k] = 0.f;
-    for (int64_t b = 0; b < blocks; ++b) result[k] += plain_block_product(format, w + b * block_bytes, r, row0 + k, b);
-  }
-#endif
-}
 
 }  // namespace
-
-// x [rows, in] fp32 times the GGUF tensor `blocks` [out, row_bytes] of ggml type `format` -> [rows, out] fp32.
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format, int64_t in) {
-  const FormatInfo f = info_of(format);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in,
-              "gguf_linear: x must be fp32 [rows, ", in, "], contiguous");
-  TORCH_CHECK(in % f.per_block == 0, "gguf_linear: ", in, " inputs are not whole blocks of ", f.per_block);
-  const int64_t rows = x.size(0), out_features = blocks.size(0), per_row = in / f.per_block;
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous() &&
-                  blocks.size(1) == per_row * f.block_bytes,
-              "gguf_linear: blocks must be uint8 [out, ", per_row * f.block_bytes, "], contiguous");
-  const Rounded r = round_rows(x.data_ptr<float>(), rows, in, f.k_quant);
-  auto out = torch::empty({rows, out_features}, x.options());
-  float* o = out.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t group = std::max<int64_t>(kTile, kGroupBytes / in / kTile * kTile);
-  for (int64_t first_row = 0; first_row < rows; first_row += group) {  // inputs in L2, every output over them
-    const int64_t last_row = std::min(rows, first_row + group);
-    at::parallel_for(0, out_features, 8, [&](int64_t first, int64_t last) {
-      float result[kTile];
-      for (int64_t n = first; n < last; ++n) {
-        for (int64_t row0 = first_row; row0 < last_row; row0 += kTile) {
-          const int count = static_cast<int>(std::min<int64_t>(kTile, last_row - row0));
-          tile(format, w + n * per_row * f.block_bytes, per_row, r, row0, count, result);
-          for (int k = 0; k < count; ++k) o[(row0 + k) * out_features + n] = result[k];
-        }
-      }
-    });
-  }
-  return out;
-}
-
-// The shape alone, for tracing: a compiled step keeps the op as one opaque call.
-torch::Tensor gguf_linear_meta(torch::Tensor x, torch::Tensor blocks, int64_t format, int64_t in) {
-  return at::empty_symint({x.sym_size(0), blocks.sym_size(0)}, x.options());
-}
-
-// The input rows as the kernel rounds them, decoded back to floats (for tests and comparisons).
-torch::Tensor gguf_rounded_input(torch::Tensor x, int64_t format) {
-  const FormatInfo f = info_of(format);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % f.per_block == 0,
-              "gguf_rounded_input: fp32 [rows, whole blocks]");
-  const Rounded r = round_rows(x.data_ptr<float>(), x.size(0), x.size(1), f.k_quant);
-  auto out = torch::empty_like(x);
-  float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < x.numel(); ++i) o[i] = r.codes[i] * r.step[i / f.per_block];
-  return out;
-}
-
-TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int format, int in_features) -> Tensor");
-  m.def("gguf_rounded_input(Tensor x, int format) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
-  m.impl("gguf_linear", &gguf_linear);
-  m.impl("gguf_rounded_input", &gguf_rounded_input);
-}
-TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("gguf_linear", &gguf_linear_meta); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -5,34 +5,26 @@ probabilities times the held values, both over byte rows with the ring of newest
 (`kv.quantized`); `rolled_scores` the products with full-precision keys rotated to rolling
 positions on the fly (`kv.rope`); `slot_attention` a decode step's whole attention over fp32 slots
 (scores, softmax and value sum in one pass, free slots never read). Ops registered with torch's
-dispatcher from C++ (`kv_int.cpp`; one opaque call in a compiled step, with a meta implementation
+dispatcher from C++ (`kernels/kv_int.cpp`; one opaque call in a compiled step, with a meta implementation
 for tracing; callable once `kernels_available()`) that decode or rotate one row at a time into a
 buffer that stays in L1.
 The C++ is built on first use with the machine's compiler; where it cannot be built
-(`kernels_available()` is False, said once; `sparsegen.native`) the fast path decodes or rotates
+(`kernels_available()` is False, said once; `sparsegen.kernels`) the fast path decodes or rotates
 the whole cache and multiplies in torch instead.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from sparsegen.kernels import load_kv_int
 from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
-from sparsegen.native import build
-
-SOURCE = Path(__file__).with_name("kv_int.cpp")
-
-
-def _extension():
-    return build(SOURCE, "the KV kernels")
 
 
 def kernels_available() -> bool:
     """Whether the C++ products are built (on a CPU; a GPU decodes in torch)."""
-    return _extension() is not None
+    return load_kv_int() is not None
 
 
 def _slots(positions: torch.Tensor, seen: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
