@@ -20,6 +20,7 @@ import torch
 
 from sparsegen.decode import Decoder
 from sparsegen.errors import SparsegenError
+from sparsegen.few_rows import pack_weights
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import make_policy
 
@@ -72,27 +73,38 @@ def follow_full_output(
 ) -> tuple[list[int], list[dict]]:
     """The full cache's `tokens` greedy tokens after `prompt`, and for each policy of `policies`
     (label: {"policy": name, **budget}) its agreement and KL along them, per `segment` positions."""
-    full = Decoder(model, "full", compile=compile)
-    with policy_attention(model):
-        full_logits = full.start([prompt], tokens)
-        followers = []
-        for label, settings in policies.items():
-            decoder = Decoder(model, make_policy(**settings), compile=compile)
-            followers.append(Following(label, decoder, decoder.start([prompt], tokens)))
-        written: list[int] = []
-        for _ in range(tokens):
-            reference = full_logits[0].double().log_softmax(-1)
-            token = int(reference.argmax())
-            for follower in followers:
-                follower.compare(reference, token)
-            written.append(token)
-            fed = torch.tensor([token])
-            full_logits = full.step(fed)
-            for follower in followers:
-                follower.logits = follower.decoder.step(fed)
-            if tick is not None:
-                tick()
+    packed = pack_weights(model)  # the few-row kernel's copy of the weights, one for every decoder
+    full = Decoder(model, "full", compile=compile, packed=packed)
+    followers: list[Following] = []
+    try:
+        with policy_attention(model):
+            full_logits = full.start([prompt], tokens)
+            for label, settings in policies.items():
+                decoder = Decoder(model, make_policy(**settings), compile=compile, packed=packed)
+                followers.append(Following(label, decoder, decoder.start([prompt], tokens)))
+            written = _follow(full, full_logits, followers, tokens, tick)
+    finally:  # a compiled decoder changed the model's Linear layers: given back
+        for decoder in [full, *(follower.decoder for follower in followers)]:
+            decoder.release()
     return written, [follower.summary(segment) for follower in followers]
+
+
+def _follow(full: Decoder, logits: torch.Tensor, followers: list[Following], tokens: int, tick) -> list[int]:
+    """Write `tokens` greedy tokens with the full cache, every follower fed each one in lockstep."""
+    written: list[int] = []
+    for _ in range(tokens):
+        reference = logits[0].double().log_softmax(-1)
+        token = int(reference.argmax())
+        for follower in followers:
+            follower.compare(reference, token)
+        written.append(token)
+        fed = torch.tensor([token])
+        logits = full.step(fed)
+        for follower in followers:
+            follower.logits = follower.decoder.step(fed)
+        if tick is not None:
+            tick()
+    return written
 
 
 DECODING_POLICIES = ("window", "streaming", "h2o", "streaming_h2o", "tova")
