@@ -87,6 +87,26 @@ def test_duo_attention_gives_the_pool_to_the_heads_its_calibration_ranks_first(t
     assert kept == [[46, 6], [6, 46], [6, 46]]  # the retrieval head: 2 + 20 * 2 + 4 of 60; the streaming one: 2 + 4
 
 
+def test_calibrate_heads_equals_the_needle_share_of_eager_attention_weights():
+    """Brute force: transformers' eager attention weights (output_attentions), the answer's rows,
+    summed over each KV head's group, the needle's share of them, averaged over the samples."""
+    import random
+
+    from sparsegen.kv.duo_attention import passkey_prompt
+
+    model, tokenizer = build_tiny("llama", attn="eager"), tiny_tokenizer()
+    scores = calibrate_heads(model, tokenizer, samples=2, length=96, seed=3)
+    rng, expected = random.Random(3), torch.zeros(3, 2, dtype=torch.float64)
+    for _ in range(2):
+        ids, needle, answer = passkey_prompt(tokenizer, 96, rng)
+        with torch.no_grad():
+            weights = model(torch.tensor([ids]), output_attentions=True).attentions
+        for layer, probabilities in enumerate(weights):  # [1, q heads, queries, keys]
+            rows = probabilities[0, :, -answer:].double().view(2, -1, answer, len(ids))  # by KV head
+            expected[layer] += rows[..., needle.start : needle.stop].sum((1, 2, 3)) / rows.sum((1, 2, 3))
+    torch.testing.assert_close(scores.double(), expected / 2, rtol=1e-4, atol=1e-6)
+
+
 def test_duo_attention_refuses_heads_of_another_model(tmp_path):
     save_heads(torch.zeros(5, 3), tmp_path / "heads.json", "other")
     model = build_tiny("llama")
