@@ -259,27 +259,32 @@ def test_generate_leaves_the_model_as_given():
 
 
 def test_a_step_compiled_for_varying_rows_never_recompiles_and_equals_eager():
-    """Rows of different lengths join (the slots grow) and leave a `rows_vary` decoder holding its
-    KV in 4 bits (the byte kernels inside the graph): two graphs in all, the eager logits."""
+    """Rows of different lengths join (the slots grow), leave, and two rows step after one left, on a
+    `rows_vary` decoder holding its KV in 4 bits (the byte kernels inside the graph): two graphs
+    in all, the eager logits."""
     from torch._dynamo.utils import counters
 
     model = build_tiny("llama", layers=2)  # two layers: a second layer's index, two thirds of the cold compile
-    joins = [[list(range(3, 12))], [list(range(5, 19)), list(range(7, 21))], [list(range(4, 40))]]
+    joins = [[list(range(3, 12))], [list(range(5, 19)), list(range(7, 21))], [list(range(4, 90))]]
     outputs = {}
     for mode in ("never", "always"):
         graphs = counters["stats"]["unique_graphs"]
         decoder = Decoder(model, "full", compile=mode, kv_bits=4, rows_vary=True, notify=lambda _: None)
-        logits, seen = None, []
+        logits, seen, slots = None, [], []
         with policy_attention(model):
             for prompts in joins:
                 caches, joined = decoder.prefill(prompts)
                 decoder.join([cache for _, cache in caches], 6)
+                slots.append(decoder.state.layers[0].keys.shape[2])
                 logits = joined if logits is None else torch.cat([logits, joined])
                 for _ in range(3):
                     logits = decoder.step(logits.argmax(-1))
                     seen.append(logits)
                 if decoder.rows == 3:
                     logits = logits[decoder.leave([0])]
+                    logits = decoder.step(logits.argmax(-1))  # two rows step after one left
+                    seen.append(logits)
+        assert slots[0] < slots[2]  # the last join brought a row longer than the slots held: they grew
         outputs[mode] = seen
         if mode == "always":
             assert counters["stats"]["unique_graphs"] - graphs == 2  # one row; any other count
