@@ -95,7 +95,7 @@ def follow_full_output(
     return written, [follower.summary(segment) for follower in followers]
 
 
-DECODING_POLICIES = ("window", "streaming", "h2o", "streaming_h2o", "tova")
+DECODING_POLICIES = ("window", "streaming", "h2o", "streaming_h2o", "tova", "rkv")
 """The policies that evict while decoding (the prompt-compressing ones keep every new token)."""
 CODE_REQUEST = (
     "Write a complete, well-documented Python module for a small inventory system: classes for items, "
