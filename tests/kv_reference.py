@@ -124,6 +124,30 @@ def _duo_scores(scores, received, cache):
         scores[pos] = far / total
 
 
+def _rkv_scores(scores, received, cache):
+    """R-KV: a token's score is its largest cosine (at least 0) to any key after it, each new key in
+    turn against every held key before it; the priority of the competing tokens (neither sinks nor
+    recent) is lambda * minmax(importance) - (1 - lambda) * minmax(score), the importance the
+    attention of the newest `window` queries."""
+    settings = {"importance": 0.1, "window": 8, **cache.settings}
+    for new in cache.new_positions:
+        later = cache.key_of(new).double()
+        for pos in scores:
+            if pos < new:
+                key = cache.key_of(pos).double()
+                scores[pos] = max(scores[pos], float(key @ later / (key.norm() * later.norm())))
+    window = received[-settings["window"] :]
+    importance = {pos: sum(row.get(pos, 0.0) for row in window) for pos in scores}
+    competing = [pos for pos in scores if not (_sink(pos, cache) or _recent(pos, cache))]
+
+    def minmax(values):
+        low, high = min((values[p] for p in competing), default=0.0), max((values[p] for p in competing), default=0.0)
+        return {p: (values[p] - low) / (high - low) if high > low else 0.0 for p in competing}
+
+    weight, important, redundant = settings["importance"], minmax(importance), minmax(scores)
+    cache.rkv = {p: weight * important[p] - (1 - weight) * redundant[p] for p in competing}
+
+
 def _recent(pos, cache):
     return pos >= cache.length - cache.sizes.get("recent", 0)
 
@@ -213,6 +237,15 @@ TABLE: dict[str, Row] = {
             _duo_scores,
             True,
             alpha=0.0,
+        ),
+    ),
+    "rkv": Row(
+        {"sinks": 1, "heavy": 3, "recent": 2},
+        {"sinks": 4, "heavy": 250, "recent": 250},
+        lambda s, h, r: {"sinks": s, "heavy": h, "recent": r},
+        Ref(
+            lambda pos, score, key, cache: math.inf if _sink(pos, cache) or _recent(pos, cache) else cache.rkv[pos],
+            _rkv_scores,
         ),
     ),
     "kvzip": Row(  # scored by the model re-reading the prompt: its reference is tests/test_kv_kvzip.py

@@ -24,7 +24,7 @@ from sparsegen.cli.common import (
 )
 from sparsegen.errors import SparsegenError
 
-DECODING = ("window", "streaming", "h2o", "streaming_h2o", "tova")
+DECODING = ("window", "streaming", "h2o", "streaming_h2o", "tova", "rkv")
 """The policies that evict while decoding (`eval.long_output.DECODING_POLICIES`, named here without torch)."""
 
 

@@ -106,13 +106,14 @@ class ContextRows:
             live, own = self.live[rows], positions[rows]
             b, h, length = live.shape
             index = torch.arange(length, device=own.device).expand(b, h, length)
+            keys = step["keys"]  # a policy that scores keys reads the context's then the row's own
             part = Step(
                 positions=torch.cat([index.masked_fill(~live, EMPTY), own], -1),
-                keys=None,
+                keys=torch.cat([self.keys.expand(b, -1, -1, -1), keys[rows]], 2) if rule.reads_keys else None,
                 values=None,
                 scores=torch.cat([self.scores[rows], scores[rows]], -1),
                 sizes=Sizes(*(getattr(sizes, name)[rows] for name in PARTS)),
-                **{name: value[rows] if name in PER_ROW else value for name, value in step.items()},
+                **{name: value[rows] if name in PER_ROW else value for name, value in step.items() if name != "keys"},
             )
             update = rule.score(part)
             if update is not None:

@@ -122,8 +122,10 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
     rolled_per_slot = parts[0].rotation is not None and not policy.contiguous
     on_cpu = device.type == "cpu" and kernels_available()
-    byte_products = codec is not None and on_cpu and not rolled_per_slot
-    rolled_products = codec is None and on_cpu and rolled_per_slot and keys.dtype == torch.float32
+    byte_products = codec is not None and on_cpu and not rolled_per_slot and not policy.reads_keys
+    rolled_products = (
+        codec is None and on_cpu and rolled_per_slot and keys.dtype == torch.float32 and not policy.reads_keys
+    )
     fused_attention = codec is None and on_cpu and keys.dtype == torch.float32
     return LayerState(
         policy=policy,

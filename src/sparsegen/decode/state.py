@@ -258,7 +258,7 @@ class LayerState:
         `probs` [b, h, g, n]: the attention over the shared context, if any, then over the slots."""
         if self.evicting and self.context is not None:
             weights = probs.view(*query.shape[:2], 1, -1)
-            step = {"query": query, "scaling": scaling, "seen": seen, "new": 1, "weights": weights}
+            step = {"query": query, "scaling": scaling, "seen": seen, "new": 1, "weights": weights, "keys": keys}
             self.slot.copy_(self.context.evict(self.sizes, self.positions, self.scores, step))
             return
         if self.evicting:

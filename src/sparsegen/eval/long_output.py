@@ -107,7 +107,7 @@ def _follow(full: Decoder, logits: torch.Tensor, followers: list[Following], tok
     return written
 
 
-DECODING_POLICIES = ("window", "streaming", "h2o", "streaming_h2o", "tova")
+DECODING_POLICIES = ("window", "streaming", "h2o", "streaming_h2o", "tova", "rkv")
 """The policies that evict while decoding (the prompt-compressing ones keep every new token)."""
 CODE_REQUEST = (
     "Write a complete, well-documented Python module for a small inventory system: classes for items, "

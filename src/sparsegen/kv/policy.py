@@ -169,7 +169,8 @@ class Policy(ABC):
     read, then keep every new token), `head_adaptive` (a prefill-only policy whose layer keeps its
     heads' budgets as one pool, the highest priorities of the whole layer: `kv.ragged`),
     `reconstructs` (scores with `Step.reconstruction`, which `kv.stream.read` computes by letting
-    the model re-read the prompt). Budget parts are the fields named sinks, heavy, recent.
+    the model re-read the prompt), `reads_keys` (scores from `Step.keys` while decoding: the fast
+    path then reads them as numbers). Budget parts are the fields named sinks, heavy, recent.
     """
 
     name: ClassVar[str]
@@ -178,6 +179,7 @@ class Policy(ABC):
     prefill_only: ClassVar[bool] = False
     head_adaptive: ClassVar[bool] = False
     reconstructs: ClassVar[bool] = False
+    reads_keys: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for part in self.budget_parts():
