@@ -120,4 +120,5 @@ def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
 
 
 def _bits(bits: int | None, rotated: bool) -> str:
+    """How a checkpoint or cache holds its KV, for the mismatch error."""
     return "full precision" if bits is None else f"{bits} bits" + (", rotated" if rotated else "")
