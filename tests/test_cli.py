@@ -197,6 +197,27 @@ def test_bench_kv_bits_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_te
     assert rows[1]["kv_mb"] < rows[0]["kv_mb"] / 4 and "speed vs fp32 KV" in out
 
 
+@pytest.mark.slow
+def test_bench_kv_bits_quality_reads_each_width_rotated_and_not(monkeypatch, capsys, tiny_folder, tiny_text, tmp_path):
+    args = ("--quality", "--tokens", "60", "--chunk", "8", "--policies", "streaming", "--kv-bits", "4,2")
+    args += ("--cache", "16")
+    code, out, _ = run_cli(
+        monkeypatch, capsys, "bench", "kv-bits", "--model", tiny_folder, "--text", tiny_text, *args, "--out", tmp_path
+    )
+    assert code == 0
+    rows = json.loads((tmp_path / "bench_kv_bits_quality.json").read_text())["rows"]
+    assert [(r["kv"], r["rotated"]) for r in rows] == [
+        ("fp32", False),
+        ("int4", True),
+        ("int4", False),
+        ("int2", True),
+        ("int2", False),
+    ]
+    assert rows[0]["vs_fp32_kv"] == "+0.00%" and all(r["ppl"] > 1 for r in rows)
+    assert rows[1]["ppl"] != rows[2]["ppl"] and rows[3]["kv_mb"] < rows[1]["kv_mb"]  # (the fp32 ring dominates here)
+    assert "vs fp32 KV" in out
+
+
 def test_bench_gather_measures_each_kept_share_and_refuses_bad_shares(monkeypatch, capsys, tiny_folder, tmp_path):
     args = ("bench", "gather", "--model", tiny_folder, "--passes", "1", "--out", tmp_path)
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--kept", "1,0.5")

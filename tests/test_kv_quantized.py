@@ -1,4 +1,4 @@
-"""Keys and values in 8 and 4 bits: the codec's rounding, every policy on both engines, bytes held."""
+"""Keys and values in 8, 4, 3 and 2 bits: the codec's rounding, every policy on both engines, bytes held."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.footprint import kv_bytes_per_token, kv_ring_bytes
 from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
-from sparsegen.kv.quantized import RESIDUAL, KVCodec
+from sparsegen.kv.quantized import BITS, RESIDUAL, KVCodec
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE, generate_drop_in
 
@@ -21,10 +21,11 @@ def _prompt(length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dim", [16, 64, 96, 128])
 def test_codec_rounds_each_number_within_half_a_step_of_its_group(bits, dim):
-    codec = KVCodec.for_dim(bits, dim)
+    """Unrotated; the rotated codec's rounding is `test_kv_rotation`'s."""
+    codec = KVCodec.for_dim(bits, dim, rotated=False)
     x = torch.randn(2, 3, 50, dim, generator=torch.Generator().manual_seed(dim)) * 4
     x[0, 0, 0] = 7.0  # a constant vector decodes exactly
     stored = codec.encode(x)
@@ -41,7 +42,7 @@ def test_codec_rounds_each_number_within_half_a_step_of_its_group(bits, dim):
 def test_bad_bit_widths_get_one_line_errors():
     model = build_tiny("llama")
     for call in (
-        lambda: make_cache(model, "h2o", budget=8, kv_bits=3),
+        lambda: make_cache(model, "h2o", budget=8, kv_bits=5),
         lambda: generate(model, _prompt(5), 2, kv_bits=16),
     ):
         with pytest.raises(SparsegenError, match="kv_bits must be one of") as error:
@@ -49,7 +50,7 @@ def test_bad_bit_widths_get_one_line_errors():
         assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("policy", list(SMALL))
 def test_fast_path_equals_the_drop_in_cache_at_each_bit_width(arch, policy, bits):
     """The static slots and the policy cache round, store and attend the same way."""
@@ -69,7 +70,7 @@ def test_8_bit_kv_keeps_every_policys_greedy_tokens(arch, policy):
     assert eight_bits.tokens == full_precision.tokens
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 def test_full_cache_in_bits_equals_transformers_cache_rounded_after_each_forward(bits):
     """The reference of the arithmetic: a plain `DynamicCache` whose held keys and values are
     rounded through the codec after every forward, all but the newest RESIDUAL tokens (each
@@ -100,10 +101,11 @@ def test_full_cache_in_bits_equals_transformers_cache_rounded_after_each_forward
     torch.testing.assert_close(torch.stack(logits), torch.stack(reference), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits, per_vector", [(None, 64), (8, 20), (4, 12)])
+@pytest.mark.parametrize("bits, per_vector", [(None, 64), (8, 20), (4, 12), (3, 10), (2, 8)])
 def test_kv_bytes_count_the_rounded_bytes(bits, per_vector):
-    """Tiny heads have 16 numbers: 64 bytes in fp32, 16 + 4 in int8, 8 + 4 in int4 (one group's
-    fp16 scale and minimum); rounded caches also hold the ring of the newest RESIDUAL in fp32."""
+    """Tiny heads have 16 numbers: 64 bytes in fp32, 16 + 4 in int8, 8 + 4 in int4, 6 + 4 in int3,
+    4 + 4 in int2 (one group's fp16 scale and minimum); rounded caches also hold the ring of the
+    newest RESIDUAL in fp32."""
     model = build_tiny("llama")
     with policy_attention(model), torch.inference_mode():
         cache = make_cache(model, "h2o", budget=10, kv_bits=bits)
@@ -161,18 +163,20 @@ def test_compiled_step_in_4_bits_equals_the_eager_one():
     assert compiled.mode == "compiled" and compiled.tokens == eager.tokens
 
 
+@pytest.mark.parametrize("rotated", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dim", [16, 64, 128])
-def test_byte_products_equal_attention_over_the_rows_as_read(bits, dim):
+def test_byte_products_equal_attention_over_the_rows_as_read(bits, dim, rotated):
     """The kernels' products over byte rows (some slots free, each row's newest in the ring) equal
     the plain products over `with_residual(decode(rows))` at the live slots, for a strided view of
-    the slots too."""
+    the slots too; rotated rows are multiplied by the rotated query and ring, the mixed values
+    rotated back."""
     from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
     from sparsegen.kv.quantized import with_residual
 
     assert kernels_available()  # the machine's compiler builds them; CI has one
     gen = torch.Generator().manual_seed(dim)
-    codec = KVCodec.for_dim(bits, dim)
+    codec = KVCodec.for_dim(bits, dim, rotated)
     keys, values = (codec.encode(torch.randn(2, 3, 90, dim, generator=gen)) for _ in range(2))
     ring_keys, ring_values = (torch.randn(2, 3, RESIDUAL, dim, generator=gen) for _ in range(2))
     positions = torch.randperm(100, generator=gen)[:90].expand(2, 3, 90).clone()

@@ -370,11 +370,11 @@ def test_requests_in_different_kv_bits_batch_apart_and_each_equals_its_single_ru
     loaded = _loaded()
     model, tokenizer = loaded
     prompts = [" ".join(f"w{5 + (i * 11 + j) % 90}" for j in range(n)) for i, n in enumerate((9, 30, 17, 26))]
-    bits = [4, 8, None, 4]
+    bits = [4, 8, None, 3]
     with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, kv_bits=4) as (url, app):
         extras = [{"kv_bits": b} if b != 4 else {} for b in bits]  # omitted: the server's 4; null: none
         results = _ask_together(url, prompts, extras, max_tokens=12)
-        bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w5", "kv_bits": 3})
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w5", "kv_bits": 5})
         assert bad.status_code == 400 and "kv_bits" in str(_error(bad)["param"]) + _error(bad)["message"]
         assert app.state.engine.stats()["active"] == 0
     for index, prompt in enumerate(prompts):

@@ -1,13 +1,16 @@
-"""`sparsegen bench kv-bits`: what holding keys and values in 8 or 4 bits costs and saves.
+"""`sparsegen bench kv-bits`: what holding keys and values in 8, 4, 3 or 2 bits costs and saves.
 
 Per context length and policy (full, streaming, h2o), the fast path's compiled decode step with
-its KV in fp32, int8 and int4, each in a process of its own: ms per token, KV bytes held, the
+its KV in fp32 and each width, each in a process of its own: ms per token, KV bytes held, the
 byte bound (weights + KV read once per step at the bandwidth probed in the same run), and the
-speed against the same policy with fp32 KV.
+speed against the same policy with fp32 KV. With `--quality`, perplexity instead: each width
+rounded with and without the rotation (`kv.quantized`), against fp32 KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -91,3 +94,75 @@ def bench_kv_bits(
         f"read bandwidth {bandwidth:.1f} GB/s\n\n" + markdown_table(rows, COLUMNS),
     )
     return {"meta": meta, "rows": rows}
+
+
+QUALITY_COLUMNS = [
+    ("policy", "policy"),
+    ("kv", "KV"),
+    ("rotated", "rotated"),
+    ("ppl", "ppl"),
+    ("vs_fp32_kv", "vs fp32 KV"),
+    ("kv_mb", "KV MB"),
+]
+
+
+def bench_kv_bits_quality(
+    model_name: str = "smollm2-135m",
+    text: str = "milton",
+    tokens: int = 2048,
+    policies: tuple[str, ...] = ("full", "streaming"),
+    widths: tuple[int, ...] = (8, 4, 3, 2),
+    cache: int = 1024,
+    chunk: int = 16,
+    out: Path = Path("results/bench_kv_bits"),
+    progress=print,
+    device: str | None = None,
+) -> dict:
+    """Perplexity of `tokens` tokens of `text` per policy x bit width, each rounded with and without
+    the rotation (`kv.quantized`), against the same policy with fp32 KV. Read `chunk` tokens a
+    forward: the ring already holds each row's newest 32 tokens at full precision, so a chunk up to
+    that changes little of what the rounding reaches. Quality only: no time is taken."""
+    from sparsegen.data import load_text, tokenize_long
+    from sparsegen.loading import load
+
+    model, tokenizer = load(model_name, device=device)
+    ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens).to(next(model.parameters()).device)
+    settings = [(None, False)] + [(bits, rotated) for bits in widths for rotated in (True, False)]
+    rows = []
+    for policy in policies:
+        for bits, rotated in settings:
+            kv = "fp32" if bits is None else f"int{bits}"
+            progress(f"{policy}, KV {kv}{' rotated' if rotated else ''}")
+            ppl, kv_bytes = _perplexity(model, ids, policy, budget_of(policy, cache), bits, rotated, chunk)
+            rows.append({"policy": policy, "kv": kv, "rotated": rotated, "ppl": ppl, "kv_mb": kv_bytes / 2**20})
+    for row in rows:
+        fp32 = next(r for r in rows if (r["policy"], r["kv"]) == (row["policy"], "fp32"))
+        row["vs_fp32_kv"] = f"{100 * (row['ppl'] / fp32['ppl'] - 1):+.2f}%"
+    meta = run_meta(model=model_name, text=text, tokens=int(ids.numel()), chunk=chunk, cache=cache)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench_kv_bits_quality.json", {"meta": meta, "rows": rows})
+    write_text(
+        out / "bench_kv_bits_quality.md",
+        f"`{model_name}`, {ids.numel()} tokens of `{text}` read {chunk} a forward, bounded policies keep "
+        f"{cache} tokens, {meta['machine']}, {meta['date']}\n\n" + markdown_table(rows, QUALITY_COLUMNS),
+    )
+    return {"meta": meta, "rows": rows}
+
+
+@torch.inference_mode()
+def _perplexity(model, ids, policy: str, budget: dict, bits: int | None, rotated: bool, chunk: int):
+    """Perplexity of `ids` read `chunk` at a time into a fresh cache, and the cache's peak bytes."""
+    from sparsegen.kv import make_cache, policy_attention
+
+    cache = make_cache(model, policy, kv_bits=bits, **budget)
+    for layer in cache.layers:  # make_cache's codec is the default one; this bench also reads without rotation
+        if getattr(layer, "codec", None) is not None:
+            layer.codec = dataclasses.replace(layer.codec, rotated=rotated)
+    nll, peak = 0.0, 0
+    with policy_attention(model):
+        for start in range(0, ids.numel() - 1, chunk):
+            stop = min(start + chunk, ids.numel() - 1)
+            logits = model(input_ids=ids[None, start:stop], cache=cache, use_cache=True).logits[0].float()
+            nll += torch.nn.functional.cross_entropy(logits, ids[start + 1 : stop + 1], reduction="sum").item()
+            peak = max(peak, cache.kv_bytes())
+    return math.exp(nll / (ids.numel() - 1)), peak

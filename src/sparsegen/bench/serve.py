@@ -63,7 +63,7 @@ class ServeConfig:
 
         setting, _, bits = spec.partition("@")
         if bits and not bits.isdigit():
-            raise SparsegenError(f"{spec!r}: the bits after @ are 8 or 4, as in full@4")
+            raise SparsegenError(f"{spec!r}: the bits after @ are 8, 4, 3 or 2, as in full@4")
         policy, _, budget = setting.partition(":")
         return cls(spec, policy, count_or_share(budget or None), kv_bits=checked_bits(int(bits) if bits else None))
 

@@ -84,24 +84,28 @@ def bench_kv_bits_command(
     kv_bits: str = typer.Option("8,4", "--kv-bits", help="Bit widths beside fp32, comma-separated."),
     cache: int = typer.Option(512, "--cache", help="Tokens the bounded policies keep."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens decoded per measurement."),
+    quality: bool = typer.Option(False, "--quality", help="Perplexity, rotated and not, instead of speed."),
+    tokens: int = typer.Option(2048, "--tokens", help="With --quality: tokens of --text read."),
+    chunk: int = typer.Option(16, "--chunk", help="With --quality: tokens read a forward."),
     out_dir: Path = typer.Option(Path("results/bench_kv_bits"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
-    """Decode speed and KV bytes with keys and values in fp32, int8 and int4, per context and policy."""
-    from sparsegen.bench.kv_bits import bench_kv_bits
+    """Decode speed and KV bytes with keys and values in fp32 and each width, per context and policy;
+    with --quality, perplexity per policy and width, with and without the rotation."""
+    from sparsegen.bench.kv_bits import bench_kv_bits, bench_kv_bits_quality
     from sparsegen.kv.quantized import checked_bits
 
-    bench_kv_bits(
-        model,
-        text,
-        tuple(int(c) for c in contexts.split(",") if c),
-        tuple(p for p in policies.split(",") if p),
-        tuple(checked_bits(int(b)) for b in kv_bits.split(",") if b),
-        cache,
-        new_tokens,
-        out=out_dir,
-        progress=lambda m: err.print(f"[dim]{m}[/]"),
-        device=device,
-    )
-    out.print((out_dir / "bench_kv_bits.md").read_text())
-    out.print(f"wrote {out_dir}/bench_kv_bits.md and .json")
+    widths = tuple(checked_bits(int(b)) for b in kv_bits.split(",") if b)
+    names = tuple(p for p in policies.split(",") if p)
+    progress = lambda m: err.print(f"[dim]{m}[/]")  # noqa: E731
+    if quality:
+        bench_kv_bits_quality(model, text, tokens, names, widths, cache, chunk, out_dir, progress, device)
+        name = "bench_kv_bits_quality"
+    else:
+        contexts_ = tuple(int(c) for c in contexts.split(",") if c)
+        bench_kv_bits(
+            model, text, contexts_, names, widths, cache, new_tokens, out=out_dir, progress=progress, device=device
+        )
+        name = "bench_kv_bits"
+    out.print((out_dir / f"{name}.md").read_text())
+    out.print(f"wrote {out_dir}/{name}.md and .json")

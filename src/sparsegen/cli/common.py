@@ -45,7 +45,9 @@ RecentOpt = typer.Option(None, "--recent", help="Most recent tokens kept.")
 HeavyOpt = typer.Option(None, "--heavy", help="Heavy-hitter tokens kept (h2o policies).")
 PositionOpt = typer.Option(None, "--position", help="original or rolling (default: the policy's).")
 KvBitsOpt = typer.Option(
-    None, "--kv-bits", help="Hold keys and values in 8 or 4 bits (rounded per token) [default: full precision]."
+    None,
+    "--kv-bits",
+    help="Hold keys and values in 8, 4, 3 or 2 bits (rotated, rounded per token) [default: full precision].",
 )
 ActivationBitsOpt = typer.Option(
     None,

@@ -60,7 +60,7 @@ class Decoder:
     Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
     bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
     (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
-    dtype on a GPU; `kv_bits` (8 or 4) holds them rounded instead (`kv.quantized`), prompt and
+    dtype on a GPU; `kv_bits` (8, 4, 3 or 2) holds them rounded instead (`kv.quantized`), prompt and
     held conversations included. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
     and the CPU's few-row product is not used. `rows_vary`: rows join and leave between steps (the
     server); the compiled step is then traced once for one row and once for any other row count and

@@ -84,7 +84,7 @@ def generate(
     template's turn tokens (`stop_tokens`), as the CLI and the server stop; the batch
     stops when every row has. Prompts are read `prefill_chunk` tokens per forward (None: one).
     Sampling (temperature > 0, top-p) draws each row from its own generator seeded `seed`.
-    `kv_bits` (8 or 4) holds keys and values in that many bits (`kv.quantized`; None: `kv_dtype`).
+    `kv_bits` (8, 4, 3 or 2) holds keys and values in that many bits (`kv.quantized`; None: `kv_dtype`).
     `streamer` (a transformers streamer, batch 1) receives tokens as they come; `notify` gets the
     one-line notes on compiling (default: stderr). A `decoder` may be passed to reuse its compiled step.
     """

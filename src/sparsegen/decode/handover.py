@@ -15,7 +15,7 @@ from sparsegen.decode.context import ContextRows, split_context
 from sparsegen.decode.state import DEAD, RING, LayerState
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.kernels import kernels_available
+from sparsegen.kv.kernels import kernels_available, reads_bytes
 from sparsegen.kv.policy import PARTS, Policy, Sizes
 from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer
 from sparsegen.kv.window import WindowPolicy
@@ -122,7 +122,9 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
     rolled_per_slot = parts[0].rotation is not None and not policy.contiguous
     on_cpu = device.type == "cpu" and kernels_available()
-    byte_products = codec is not None and on_cpu and not rolled_per_slot and not policy.reads_keys
+    byte_products = (
+        codec is not None and on_cpu and not rolled_per_slot and reads_bytes(codec) and not policy.reads_keys
+    )
     rolled_products = (
         codec is None and on_cpu and rolled_per_slot and keys.dtype == torch.float32 and not policy.reads_keys
     )

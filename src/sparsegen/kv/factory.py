@@ -40,7 +40,7 @@ def make_cache(
     keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
     the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
     never evicted and come on top of the budget. `layer_class` is the class of the policy layers
-    (`kv.shared` records the prefill with its own). `kv_bits` (8 or 4) holds the policy layers'
+    (`kv.shared` records the prefill with its own). `kv_bits` (8, 4, 3 or 2) holds the policy layers'
     keys and values rounded to that many bits (`kv.quantized`); None keeps the model's numbers.
     Full-attention layers get the policy; sliding-window layers (Gemma 3) keep their own window.
     The cache evicts only while the model runs inside

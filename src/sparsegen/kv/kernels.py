@@ -2,9 +2,11 @@
 
 `held_scores` is each query's dot product with each held key, `held_mix` the attention
 probabilities times the held values, both over byte rows with the ring of newest tokens
-(`kv.quantized`); `rolled_scores` the products with full-precision keys rotated to rolling
-positions on the fly (`kv.rope`); `slot_attention` a decode step's whole attention over fp32 slots
-(scores, softmax and value sum in one pass, free slots never read). Ops registered with torch's
+(`kv.quantized`; 8 and 4 bits, `reads_bytes`; a rotated codec's rows are multiplied in its rotated
+space, the query and ring rotated in and the mixed values rotated out); `rolled_scores` the products
+with full-precision keys rotated to rolling positions on the fly (`kv.rope`); `slot_attention` a
+decode step's whole attention over fp32 slots (scores, softmax and value sum in one pass, free
+slots never read). Ops registered with torch's
 dispatcher from C++ (`kernels/kv_int.cpp`; one opaque call in a compiled step, with a meta implementation
 for tracing; callable once `kernels_available()`) that decode or rotate one row at a time into a
 buffer that stays in L1.
@@ -21,10 +23,18 @@ from sparsegen.kernels import load_kv_int
 from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
 
+KERNEL_BITS = (8, 4)
+"""The widths the C++ products read; rows in other widths are decoded in torch."""
+
 
 def kernels_available() -> bool:
     """Whether the C++ products are built (on a CPU; a GPU decodes in torch)."""
     return load_kv_int() is not None
+
+
+def reads_bytes(codec: KVCodec) -> bool:
+    """Whether `held_scores` and `held_mix` read `codec`'s rows (else the caller decodes them)."""
+    return codec.bits in KERNEL_BITS
 
 
 def _slots(positions: torch.Tensor, seen: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,20 +48,18 @@ def held_scores(query, keys, codec: KVCodec, positions, seen, recent_keys) -> to
     position is among its row's newest (of `seen` tokens) from the ring `recent_keys` [b, h, R, d],
     the others decoded; 0 at free slots. fp32 [b, h, g, n]."""
     positions, seen = _slots(positions, seen)
-    ring = recent_keys.float().contiguous()
-    return torch.ops.sparsegen.kv_scores(
-        query.float().contiguous(), keys, ring, positions, seen, codec.bits, codec.group
-    )
+    query, ring = (codec.rotate(t).contiguous() for t in (query, recent_keys))  # q.k = (qM).(kM)
+    return torch.ops.sparsegen.kv_scores(query, keys, ring, positions, seen, codec.bits, codec.group)
 
 
 def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> torch.Tensor:
     """probs [b, h, g, n] x every slot's value as read (the newest from the ring `recent_values`
     [b, h, R, d], the others decoded; free slots skipped): fp32 [b, h, g, d]."""
     positions, seen = _slots(positions, seen)
-    ring = recent_values.float().contiguous()
-    return torch.ops.sparsegen.kv_mix(
-        probs.float().contiguous(), values, ring, positions, seen, codec.bits, codec.group
-    )
+    ring = codec.rotate(recent_values).contiguous()
+    probs = probs.float().contiguous()
+    mixed = torch.ops.sparsegen.kv_mix(probs, values, ring, positions, seen, codec.bits, codec.group)
+    return codec.unrotate(mixed)  # sum(p vM) M^T = sum(p v)
 
 
 def rolled_scores(query: torch.Tensor, keys: torch.Tensor, delta: torch.Tensor, rotation: KeyRotation) -> torch.Tensor:

@@ -95,6 +95,7 @@ def _layer_state(layer: CacheLayerMixin) -> dict:
     state["sizes"] = None if layer.sizes is None else [layer.sizes.sinks, layer.sizes.heavy, layer.sizes.recent]
     state["dtype"] = str(getattr(layer, "dtype", torch.float32)).removeprefix("torch.")
     state["kv_bits"] = None if layer.codec is None else layer.codec.bits
+    state["kv_rotated"] = layer.codec is not None and layer.codec.rotated
     return state
 
 
@@ -105,9 +106,10 @@ def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
         if layer.keys is not None:
             layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
         return
-    bits = None if layer.codec is None else layer.codec.bits
-    if state.get("kv_bits") != bits:
-        raise SparsegenError(f"this checkpoint holds KV in {state.get('kv_bits')} bits, this cache in {bits}")
+    held = (state.get("kv_bits"), state.get("kv_rotated", False))  # checkpoints before rotation: unrotated
+    wanted = (None, False) if layer.codec is None else (layer.codec.bits, layer.codec.rotated)
+    if held != wanted:
+        raise SparsegenError(f"this checkpoint holds KV in {_bits(*held)}, this cache in {_bits(*wanted)}")
     for name in _POLICY_STATE:
         setattr(layer, name, state.get(name))  # the ring is absent from checkpoints that predate it
     layer.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
@@ -115,3 +117,8 @@ def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
     if layer.keys is not None:
         layer.dtype = getattr(torch, state["dtype"]) if "dtype" in state else layer.keys.dtype
         layer.device = layer.keys.device
+
+
+def _bits(bits: int | None, rotated: bool) -> str:
+    """How a checkpoint or cache holds its KV, for the mismatch error."""
+    return "full precision" if bits is None else f"{bits} bits" + (", rotated" if rotated else "")

@@ -1,48 +1,121 @@
-"""Keys and values held in 8 or 4 bits: each token's vector rounded in groups of channels.
+"""Keys and values held in 8, 4, 3 or 2 bits: each token's vector rotated, then rounded in groups of channels.
 
 A held token's key (or value) for one head becomes one row of bytes: its codes (one byte a number
-at 8 bits, two numbers a byte at 4) followed by each group's fp16 scale and minimum. A row depends
-on its own token only, so the cache's slots stay independent: eviction, slot reuse, compaction,
-rows joining and leaving move byte rows exactly as they move float rows, and nothing is ever
-rounded twice. KIVI rounds keys per channel across tokens; that ties a token's codes to the
-group of tokens it was rounded with, which eviction breaks up, so keys are rounded per token here,
-as transformers' quantized cache does by default. As KIVI does, the newest `RESIDUAL` tokens of
-each row are also kept at full precision, in a ring indexed by position, and read from there
-while they are that new (with per-token groups alone, int4 keys moved SmolLM2's perplexity by
-+2.9% token by token; with the ring, +0.4%); so are all the tokens a forward reads itself (a
-prompt chunk longer than the ring).
+at 8 bits, two numbers a byte at 4, four at 2, eight in three bytes at 3) followed by each group's
+fp16 scale and minimum. A row depends on its own token only, so the cache's slots stay
+independent: eviction, slot reuse, compaction, rows joining and leaving move byte rows exactly as
+they move float rows, and nothing is ever rounded twice. KIVI rounds keys per channel across
+tokens; that ties a token's codes to the group of tokens it was rounded with, which eviction breaks
+up, so keys are rounded per token here, as transformers' quantized cache does by default. As KIVI
+does, the newest `RESIDUAL` tokens of each row are also kept at full precision, in a ring indexed
+by position, and read from there while they are that new (with per-token groups alone, int4 keys
+moved SmolLM2's perplexity by +2.9% token by token; with the ring, +0.4%); so are all the tokens
+a forward reads itself (a prompt chunk longer than the ring).
+
+A `rotated` codec multiplies each vector by a fixed orthogonal matrix (`rotation`: a normalised
+Hadamard transform with fixed random signs, QuaRot's and llama.cpp's) before rounding and by its
+transpose after decoding: the rotation spreads a few large channels over all of them, so a group's
+range, and with it the rounding step, shrinks. It lives inside the codec only: RoPE is applied
+before the cache sees a key, and what attention and the policies' eviction scores read is the
+decoded, un-rotated key or value, so it composes with every policy and position mode. The byte
+products (`kv.kernels`) use q.k = (qM).(kM) and sum(p v M) M^T = sum(p v) instead of un-rotating
+every row.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from sparsegen.errors import SparsegenError
 
-BITS = (8, 4)
+BITS = (8, 4, 3, 2)
 SCALE_BYTES = 4
 """A group's fp16 scale and fp16 minimum."""
 RESIDUAL = 32
 """The newest tokens of a row read at full precision (KIVI's residual; its group size)."""
+SIGN_SEED = 0x5EED
+"""The seed of the rotation's fixed signs: part of the stored format, never to change."""
+
+
+def rotation(dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The orthogonal [dim, dim] matrix M a rotated codec stores x @ M with: diag(signs) @ H, H the
+    normalised Hadamard matrix over blocks of the largest power of two dividing `dim` (the whole
+    vector at head dims 64 and 128; block-diagonal at 96 or 80), the signs fixed pseudo-random
+    (`SIGN_SEED`). Built from plain ops (no generator, no cache), so a compiled step traces it."""
+    block = dim & -dim
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    h = torch.block_diag(*[h] * (dim // block)) / math.sqrt(block)
+    return torch.tensor(_signs(dim), device=device).unsqueeze(1) * h
+
+
+def _signs(dim: int) -> list[float]:
+    """`dim` fixed pseudo-random signs: the top bit of a 64-bit LCG (Knuth's MMIX constants)."""
+    state, signs = SIGN_SEED, []
+    for _ in range(dim):
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        signs.append(-1.0 if state >> 63 else 1.0)
+    return signs
+
+
+def packing(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest whole-byte unit of `bits`-bit codes: 8 -> (1, 1), 4 -> (2, 1),
+    2 -> (4, 1), 3 -> (8, 3). A unit's codes are one little-endian integer, code j at bit j*bits."""
+    codes = 8 // math.gcd(8, bits)
+    return codes, codes * bits // 8
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., dim] codes below 2**bits (uint8) -> [..., dim * bits / 8] bytes (`packing`)."""
+    if bits == 8:
+        return codes
+    n, m = packing(bits)
+    *lead, dim = codes.shape
+    shifts = torch.arange(n, device=codes.device, dtype=torch.int32) * bits
+    word = (codes.reshape(*lead, dim // n, n).int() << shifts).sum(-1, keepdim=True, dtype=torch.int32)
+    octets = (word >> torch.arange(m, device=codes.device, dtype=torch.int32) * 8) & 255
+    return octets.to(torch.uint8).reshape(*lead, dim // n * m)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack`'s inverse: [..., dim * bits / 8] bytes -> [..., dim] codes (uint8)."""
+    if bits == 8:
+        return packed
+    n, m = packing(bits)
+    *lead, size = packed.shape
+    shifts = torch.arange(m, device=packed.device, dtype=torch.int32) * 8
+    word = (packed.reshape(*lead, size // m, m).int() << shifts).sum(-1, keepdim=True, dtype=torch.int32)
+    codes = (word >> torch.arange(n, device=packed.device, dtype=torch.int32) * bits) & ((1 << bits) - 1)
+    return codes.to(torch.uint8).reshape(*lead, size // m * n)
 
 
 @dataclass(frozen=True)
 class KVCodec:
-    """How a head's key or value vector of `dim` numbers is stored: `bits` (8 or 4) a number,
-    asymmetric rounding in groups of `group` channels (the largest divisor of `dim` up to 32)."""
+    """How a head's key or value vector of `dim` numbers is stored: `bits` (8, 4, 3 or 2) a number,
+    asymmetric rounding in groups of `group` channels (the largest divisor of `dim` up to 32),
+    after the `rotation` where `rotated`. Codecs that differ in any field hold different bytes."""
 
     bits: int
     group: int = 32
+    rotated: bool = True
 
     def __post_init__(self) -> None:
         checked_bits(self.bits)
 
     @classmethod
-    def for_dim(cls, bits: int, dim: int) -> KVCodec:
+    def for_dim(cls, bits: int, dim: int, rotated: bool = True) -> KVCodec:
+        """The codec for vectors of `dim` numbers; one-line error where `bits` cannot pack them."""
+        unit = packing(checked_bits(bits))[0]
+        if dim % unit:
+            raise SparsegenError(
+                f"{bits}-bit KV packs {unit} numbers at a time; head dim {dim} is not a multiple of {unit}"
+            )
         group = next(g for g in range(min(32, dim), 0, -1) if dim % g == 0)
-        return cls(bits, group)
+        return cls(bits, group, rotated)
 
     def width(self, dim: int) -> int:
         """Bytes of one stored vector of `dim` numbers."""
@@ -52,32 +125,34 @@ class KVCodec:
         """The vector length a stored row of `width` bytes holds."""
         return width * 8 * self.group // (self.bits * self.group + 8 * SCALE_BYTES)
 
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., dim] -> x @ M in fp32 (`rotation`; x itself where not `rotated`)."""
+        return x.float() @ rotation(x.shape[-1], x.device) if self.rotated else x.float()
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """`rotate`'s inverse: y @ M^T in fp32."""
+        return y.float() @ rotation(y.shape[-1], y.device).T if self.rotated else y.float()
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """[..., dim] floats -> [..., width(dim)] bytes."""
         *lead, dim = x.shape
-        groups = x.float().reshape(*lead, dim // self.group, self.group)
+        groups = self.rotate(x).reshape(*lead, dim // self.group, self.group)
         low = groups.amin(-1, keepdim=True).half()
         levels = (1 << self.bits) - 1
         scale = ((groups.amax(-1, keepdim=True) - low.float()) / levels).clamp_min(1e-5).half()
         codes = ((groups - low.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
-        codes = codes.reshape(*lead, dim)
-        if self.bits == 4:
-            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
         params = torch.cat([scale, low], -1).reshape(*lead, dim // self.group * 2).view(torch.uint8)
-        return torch.cat([codes, params], -1)
+        return torch.cat([pack(codes.reshape(*lead, dim), self.bits), params], -1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[..., width] bytes -> [..., dim] numbers in `dtype`."""
+        """[..., width] bytes -> [..., dim] numbers in `dtype`, un-rotated."""
         *lead, width = rows.shape
         dim = self.dim_of(width)
         code_bytes = dim * self.bits // 8
-        codes = rows[..., :code_bytes]
-        if self.bits == 4:
-            codes = torch.stack([codes & 15, codes >> 4], -1)
-        codes = codes.reshape(*lead, dim // self.group, self.group).float()
+        codes = unpack(rows[..., :code_bytes], self.bits).reshape(*lead, dim // self.group, self.group).float()
         params = rows[..., code_bytes:].contiguous().view(torch.float16).float()
         params = params.reshape(*lead, dim // self.group, 2, 1)
-        return (codes * params[..., 0, :] + params[..., 1, :]).reshape(*lead, dim).to(dtype)
+        return self.unrotate((codes * params[..., 0, :] + params[..., 1, :]).reshape(*lead, dim)).to(dtype)
 
 
 def remember(recent: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> None:
@@ -116,5 +191,6 @@ def checked_bits(bits: int | None) -> int | None:
 
 
 def codec_for(bits: int | None, dim: int) -> KVCodec | None:
-    """The codec for `bits` (None: keys and values stay at full precision)."""
+    """The codec for `bits` (None: keys and values stay at full precision), rotated: the rotation
+    measured better or even at every width (docs/benchmarks.md, "Rotated KV")."""
     return None if bits is None else KVCodec.for_dim(bits, dim)

@@ -45,7 +45,7 @@ class Sampling(BaseModel):
     n: int = 1
     kv_policy: str | None = None
     kv_budget: int | float | None = None
-    kv_bits: Literal[4, 8] | None = None
+    kv_bits: Literal[2, 3, 4, 8] | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
