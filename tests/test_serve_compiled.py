@@ -1,12 +1,26 @@
 """The server's compiled batched step: built while the server answers eagerly; rows join and leave
 without compiling it again."""
 
+import threading
+
 from serving import live_server
 from test_serve import _ask_together, _loaded
 
 
-def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave():
+def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave(monkeypatch):
     from torch._dynamo.utils import counters
+
+    from sparsegen.serve import batching
+    from sparsegen.serve.compiling import BackgroundCompile
+
+    gate = threading.Event()  # the compile starts when the test says (in one process it can be cached: instant)
+
+    class Gated(BackgroundCompile):
+        def _run(self) -> None:
+            gate.wait(600)
+            super()._run()
+
+    monkeypatch.setattr(batching, "BackgroundCompile", Gated)
 
     from sparsegen.decode import generate
 
@@ -14,8 +28,9 @@ def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave():
     model, tokenizer = loaded
     prompts = [" ".join(f"w{5 + (i * 13 + j) % 90}" for j in range(n)) for i, n in enumerate((5, 33, 12, 48, 21, 9))]
     with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, compile=True) as (url, app):
-        early = _ask_together(url, prompts[:2], [None, None], max_tokens=10)  # while the step compiles
-        assert app.state.engine.stats()["step"] == "compiling"  # minutes, against a tenth of a second
+        early = _ask_together(url, prompts[:2], [None, None], max_tokens=10)  # before the step is compiled
+        assert app.state.engine.stats()["step"] == "compiling"
+        gate.set()
         assert app.state.engine.compiled.wait(600)
         assert app.state.engine.stats()["step"] == "compiled"
         warmed = counters["stats"]["unique_graphs"]
