@@ -9,7 +9,6 @@ rounded with and without the rotation (`kv.quantized`), against fp32 KV.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -154,10 +153,7 @@ def _perplexity(model, ids, policy: str, budget: dict, bits: int | None, rotated
     """Perplexity of `ids` read `chunk` at a time into a fresh cache, and the cache's peak bytes."""
     from sparsegen.kv import make_cache, policy_attention
 
-    cache = make_cache(model, policy, kv_bits=bits, **budget)
-    for layer in cache.layers:  # make_cache's codec is the default one; this bench also reads without rotation
-        if getattr(layer, "codec", None) is not None:
-            layer.codec = dataclasses.replace(layer.codec, rotated=rotated)
+    cache = make_cache(model, policy, kv_bits=bits, kv_rotated=rotated, **budget)
     nll, peak = 0.0, 0
     with policy_attention(model):
         for start in range(0, ids.numel() - 1, chunk):

@@ -30,6 +30,7 @@ def make_cache(
     pinned: int = 0,
     layer_class: type[PolicyLayer] = PolicyLayer,
     kv_bits: int | None = None,
+    kv_rotated: bool = True,
     **parts: int | float,
 ) -> PolicyCache:
     """A `Cache` for `model.generate(..., cache=cache)` that applies a KV policy.
@@ -40,7 +41,8 @@ def make_cache(
     keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
     the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
     never evicted and come on top of the budget. `layer_class` is the class of the policy layers
-    (`kv.shared` records the prefill with its own). `kv_bits` (8, 4, 3 or 2) holds the policy layers'
+    (`kv.shared` records the prefill with its own).
+    `kv_bits` (8, 4, 3 or 2; rotated unless `kv_rotated=False`) holds the policy layers'
     keys and values rounded to that many bits (`kv.quantized`); None keeps the model's numbers.
     Full-attention layers get the policy; sliding-window layers (Gemma 3) keep their own window.
     The cache evicts only while the model runs inside
@@ -67,7 +69,7 @@ def make_cache(
         raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
     rope = KeyRotation(inv_freq)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    codec = codec_for(kv_bits, head_dim)
+    codec = codec_for(kv_bits, head_dim, kv_rotated)
     rotation = rope if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
     types = _layer_types(model.config)

@@ -190,7 +190,7 @@ def checked_bits(bits: int | None) -> int | None:
     return bits
 
 
-def codec_for(bits: int | None, dim: int) -> KVCodec | None:
+def codec_for(bits: int | None, dim: int, rotated: bool = True) -> KVCodec | None:
     """The codec for `bits` (None: keys and values stay at full precision), rotated: the rotation
     measured better or even at every width (docs/benchmarks.md, "Rotated KV")."""
-    return None if bits is None else KVCodec.for_dim(bits, dim)
+    return None if bits is None else KVCodec.for_dim(bits, dim, rotated)
