@@ -136,8 +136,8 @@ class Engine:
             return {"conversations": len(self.conversations), "active": active, "queued": queued, "step": step}
 
     def _step_kind(self) -> str:
-        default = self.lanes.get(lane_key(self.kv_policy(None, None), self.kv_bits))
-        return "compiled" if default is not None and default.decoder.mode == "compiled" else "eager"
+        """Only the default lane is ever compiled: any compiled lane is it (no policy built per /health)."""
+        return "compiled" if any(lane.decoder.mode == "compiled" for lane in self.lanes.values()) else "eager"
 
     def render_metrics(self) -> bytes:
         stats = self.stats()
