@@ -10,13 +10,15 @@ import uvicorn
 
 from sparsegen.bench.serve import free_port
 from sparsegen.rss import current_rss_mb
+from sparsegen.kv.spec import KVSpec
 from sparsegen.serve import build_app
 
 
 @contextmanager
-def live_server(loaded, policy: str = "streaming", budget: dict | None = None, model_id: str = "tiny", **options):
-    """Yield (base_url, app) of a server for `loaded` = (model, tokenizer); always shut down."""
-    app = build_app(loaded, policy, budget, model_id=model_id, **options)
+def live_server(loaded, kv: KVSpec | str = "streaming", model_id: str = "tiny", **options):
+    """Yield (base_url, app) of a server for `loaded` = (model, tokenizer) whose requests default
+    to the KV spec `kv`; always shut down."""
+    app = build_app(loaded, kv, model_id=model_id, **options)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

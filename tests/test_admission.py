@@ -3,15 +3,15 @@
 import pytest
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv import make_policy
+from sparsegen.kv.spec import KVSpec
 from sparsegen.serve.admission import Admission, QueueFull
 from sparsegen.serve.batching import Job
 from sparsegen.serve.conversations import Conversation, ConversationStore
 from sparsegen.serve.metrics import Metrics
 
 
-def _job(prompt: int, max_tokens: int, policy: str = "streaming", **budget) -> Job:
-    return Job(list(range(prompt)), max_tokens, emit=print, kv_policy=make_policy(policy, **budget))
+def _job(prompt: int, max_tokens: int, policy: str = "streaming", kv_bits: int | None = None, **budget) -> Job:
+    return Job(list(range(prompt)), max_tokens, emit=print, kv=KVSpec.of(policy, kv_bits=kv_bits, **budget))
 
 
 def test_jobs_are_admitted_in_order_while_their_kv_fits_and_released_jobs_free_it():
@@ -64,8 +64,7 @@ def test_rows_holding_kv_in_fewer_bits_are_counted_at_their_bytes():
         row_bytes = lambda tokens, bits: tokens * per_token[bits] + ring[bits]  # noqa: E731
         admission = Admission(1000, row_bytes, max_queue=64, conversations=ConversationStore(), metrics=Metrics())
         for _ in range(30):
-            job = _job(20, 5, "full")
-            job.kv_bits = bits
+            job = _job(20, 5, "full", kv_bits=bits)
             admission.check(job, arriving=0)
             admission.waiting.append(job)
         while admission.admit_next() is not None:

@@ -7,6 +7,8 @@ import pytest
 from serving import live_server
 from test_serve import LARGE, _loaded
 
+from sparsegen.kv.spec import KVSpec
+
 
 @pytest.mark.parametrize(("spec", "watch"), [("h2o:0.5", True), ("h2o:0.5@4", True), ("h2o:0.5", False)])
 def test_bench_load_sees_every_answer_equal_to_its_single_request_run(spec, watch, monkeypatch):
@@ -30,8 +32,7 @@ def test_bench_load_sees_every_answer_equal_to_its_single_request_run(spec, watc
     prompts = [[5 + i for i in range(length)] for length in (3, 17, 40)]
     config = ServeConfig.parse(spec)
     assert config.kv_bits == (4 if spec.endswith("@4") else None)
-    budget = {"budget": config.budget}
-    with live_server(loaded, config.policy, budget, prefill_chunk=8, kv_bits=config.kv_bits) as (url, _):
+    with live_server(loaded, config.kv, prefill_chunk=8) as (url, _):
         point = run_load(url, "tiny", prompts, clients=3, requests=2, max_tokens=6, watch=watch)
     references = single_request_answers(*loaded, config, prompts, 6, chunk=8)
     assert len(point["answers"]) == 6
@@ -48,7 +49,7 @@ def test_soak_requests_get_their_answers_and_leave_no_row():
     from sparsegen.bench.soak import SOAK_KINDS, soak_request
 
     loaded = _loaded()
-    with live_server(loaded, "streaming", LARGE) as (url, _), httpx.Client() as client:
+    with live_server(loaded, KVSpec.of("streaming", **LARGE)) as (url, _), httpx.Client() as client:
         outcomes = [soak_request(client, url, "tiny", i, [5, 6, 7, 8], 8) for i in range(len(SOAK_KINDS) * 2)]
         deadline = time.monotonic() + 10
         while httpx.get(f"{url}/health").json()["active"] and time.monotonic() < deadline:

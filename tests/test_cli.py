@@ -6,6 +6,7 @@ import pytest
 from sparsegen import cli
 from sparsegen.kv import POLICIES
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 
 
 def run_cli(monkeypatch, capsys, *args, stdin=None):
@@ -55,7 +56,7 @@ def test_info_and_generate_on_a_local_model(monkeypatch, capsys, tiny_folder):
 
     model, tokenizer = sparsegen.load(str(tiny_folder))
     ids = tokenizer("w5 w6 w7", return_tensors="pt")
-    cache = make_cache(model, "streaming", budget=6, sinks=2)
+    cache = make_cache(model, KVSpec.of("streaming", budget=6, sinks=2))
     with policy_attention(model):
         expected = model.generate(**ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
     text = tokenizer.decode(expected[0, 3:], skip_special_tokens=True)

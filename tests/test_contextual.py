@@ -17,6 +17,7 @@ from sparsegen.contextual.input_sparse import InputSparseLinear
 from sparsegen.contextual.parts import mlp_parts
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 from sparsegen.models import decoder_layers
 from tests.conftest import build_tiny
 
@@ -192,16 +193,16 @@ def test_sparse_mlps_compose_with_a_kv_policy_and_a_pruned_model():
     prompt = _ids(1, 20, seed=2)
     with policy_attention(model):
         expected = model.generate(
-            prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
+            prompt, cache=make_cache(model, KVSpec.of("streaming", budget=12)), max_new_tokens=10, do_sample=False
         )
     sparsify(model, "threshold", 0.0, calibration=_ids(), progress=False)
     with policy_attention(model):
         got = model.generate(
-            prompt, cache=make_cache(model, "streaming", budget=12), max_new_tokens=10, do_sample=False
+            prompt, cache=make_cache(model, KVSpec.of("streaming", budget=12)), max_new_tokens=10, do_sample=False
         )
     assert torch.equal(got, expected)
     sparsify(model, "threshold", 0.5, calibration=_ids(), progress=False)
-    cache = make_cache(model, "streaming", budget=12)
+    cache = make_cache(model, KVSpec.of("streaming", budget=12))
     with policy_attention(model):
         model.generate(prompt, cache=cache, max_new_tokens=10, do_sample=False)
     assert cache.physical_length() <= 13
@@ -222,9 +223,9 @@ def assert_fast_path_equals_transformers(model) -> None:
     prompt = _ids(1, 20, seed=3)
     with policy_attention(model):
         expected = model.generate(
-            prompt, cache=make_cache(model, "h2o", heavy=4, recent=6), max_new_tokens=8, do_sample=False
+            prompt, cache=make_cache(model, KVSpec.of("h2o", heavy=4, recent=6)), max_new_tokens=8, do_sample=False
         )
-    got = generate(model, prompt, 8, policy="h2o", compile="never", eos_token_id=[], heavy=4, recent=6)
+    got = generate(model, prompt, 8, KVSpec.of("h2o", heavy=4, recent=6), compile="never", eos_token_id=[])
     assert got.tokens[0] == expected[0, 20:].tolist()
 
 

@@ -7,6 +7,7 @@ from sparsegen.decode import Decoder, generate
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE, generate_drop_in
 
@@ -15,7 +16,7 @@ SMALL = {name: row.small for name, row in TABLE.items()}
 
 def _reference(model, ids, policy, budget, new, position=None):
     """transformers' generate() over the policy cache: the eager engine the fast path must equal."""
-    return generate_drop_in(model, ids, make_cache(model, policy, position=position, **budget), new)
+    return generate_drop_in(model, ids, make_cache(model, KVSpec.of(policy, position=position, **budget)), new)
 
 
 def _prompt(length: int, seed: int = 1) -> torch.Tensor:
@@ -28,7 +29,7 @@ def test_fast_path_equals_generate_per_policy(arch, policy):
     ids = _prompt(21)
     for position in ("original", "rolling"):
         ref = _reference(model, ids, policy, SMALL[policy], 24, position)
-        out = generate(model, ids, 24, policy=policy, position=position, compile="never", **SMALL[policy])
+        out = generate(model, ids, 24, KVSpec.of(policy, position=position, **SMALL[policy]), compile="never")
         assert out.tokens[0] == ref, (policy, position)
 
 
@@ -59,10 +60,10 @@ def test_padded_batch_rows_equal_single_rows(policy):
         ids[row, width - length :] = _prompt(length, seed=row)[0]
         mask[row, width - length :] = 1
     budget = {**SMALL[policy]}
-    batch = generate(model, ids, 20, policy=policy, attention_mask=mask, compile="never", eos_token_id=[], **budget)
+    batch = generate(model, ids, 20, KVSpec.of(policy, **budget), attention_mask=mask, compile="never", eos_token_id=[])
     for row, length in enumerate(lengths):
         single = generate(
-            model, _prompt(length, seed=row), 20, policy=policy, compile="never", eos_token_id=[], **budget
+            model, _prompt(length, seed=row), 20, KVSpec.of(policy, **budget), compile="never", eos_token_id=[]
         )
         assert batch.tokens[row] == single.tokens[0], (policy, row)
 
@@ -72,16 +73,18 @@ def test_ratio_budgets_differ_per_row():
     to their own size, and still equal their single-row runs."""
     model = build_tiny("qwen2")
     prompts = [_prompt(10, 3)[0].tolist(), _prompt(30, 4)[0].tolist()]
-    batch = generate(model, prompts, 16, policy="h2o", heavy=0.3, recent=0.3, compile="never", eos_token_id=[])
+    batch = generate(model, prompts, 16, KVSpec.of("h2o", heavy=0.3, recent=0.3), compile="never", eos_token_id=[])
     for row, prompt in enumerate(prompts):
-        single = generate(model, [prompt], 16, policy="h2o", heavy=0.3, recent=0.3, compile="never", eos_token_id=[])
+        single = generate(
+            model, [prompt], 16, KVSpec.of("h2o", heavy=0.3, recent=0.3), compile="never", eos_token_id=[]
+        )
         assert batch.tokens[row] == single.tokens[0]
 
 
 def test_sampling_rows_equal_single_rows_with_the_same_seed():
     model = build_tiny("mistral")
     prompts = [_prompt(7, 5)[0].tolist(), _prompt(13, 6)[0].tolist()]
-    options = dict(policy="streaming", sinks=2, recent=6, temperature=0.9, top_p=0.8, seed=11, compile="never")
+    options = dict(kv=KVSpec.of("streaming", sinks=2, recent=6), temperature=0.9, top_p=0.8, seed=11, compile="never")
     batch = generate(model, prompts, 15, eos_token_id=[], **options)
     singles = [generate(model, [p], 15, eos_token_id=[], **options).tokens[0] for p in prompts]
     assert batch.tokens == singles
@@ -111,7 +114,7 @@ def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(monkeypatch)
     generator, still makes its single run's tokens."""
     model = build_tiny("llama")
     prompts = [_prompt(9 + row, seed=row)[0].tolist() for row in range(4)]
-    options = dict(policy="h2o", heavy=4, recent=4, compile="never")
+    options = dict(kv=KVSpec.of("h2o", heavy=4, recent=4), compile="never")
     widths = []
     step = Decoder.step
     monkeypatch.setattr(Decoder, "step", lambda self, tokens: widths.append(self.rows) or step(self, tokens))
@@ -130,7 +133,7 @@ def test_compiled_step_equals_eager_engine():
     ids = _prompt(21)
     for policy in ("full", "h2o"):
         ref = _reference(model, ids, policy, SMALL[policy], 12)
-        out = generate(model, ids, 12, policy=policy, compile="always", **SMALL[policy])
+        out = generate(model, ids, 12, KVSpec.of(policy, **SMALL[policy]), compile="always")
         assert out.mode == "compiled" and out.compile_s > 0
         assert out.tokens[0] == ref
 
@@ -138,7 +141,7 @@ def test_compiled_step_equals_eager_engine():
 def test_short_generations_and_missing_compilers_run_eager_and_say_so(monkeypatch):
     model = build_tiny("llama")
     said = []
-    decoder = Decoder(model, "streaming", compile="auto", notify=said.append, sinks=2, recent=6)
+    decoder = Decoder(model, KVSpec.of("streaming", sinks=2, recent=6), compile="auto", notify=said.append)
     out = generate(model, _prompt(8), 5, decoder=decoder)
     assert out.mode == "eager" and said == ["decoding eagerly: 5 new tokens do not pay for compiling the step"]
     monkeypatch.setattr("shutil.which", lambda name: None)
@@ -211,7 +214,7 @@ def test_bf16_cache_and_weights_stay_close_to_fp32():
 
 def test_each_row_holds_at_most_its_budget_in_fixed_buffers():
     model = build_tiny("qwen2")
-    decoder = Decoder(model, "streaming_h2o", compile="never", sinks=2, heavy=3, recent=4)
+    decoder = Decoder(model, KVSpec.of("streaming_h2o", sinks=2, heavy=3, recent=4), compile="never")
     with policy_attention(model):
         logits = decoder.start([_prompt(5, 1)[0].tolist(), _prompt(20, 2)[0].tolist()], 30)
         buffers = decoder.state.kv_bytes()
@@ -226,7 +229,7 @@ def test_the_fast_path_refuses_to_step_without_sparsegens_attention():
     """Outside policy_attention the model's own sdpa would ignore `static_kv` and attend over one
     token: the step says so in one line instead of decoding garbage."""
     model = build_tiny("llama")
-    decoder = Decoder(model, "streaming", compile="never", sinks=2, recent=6)
+    decoder = Decoder(model, KVSpec.of("streaming", sinks=2, recent=6), compile="never")
     with policy_attention(model):
         logits = decoder.start([_prompt(8)[0].tolist()], 4)
         decoder.step(logits.argmax(-1))
@@ -249,7 +252,7 @@ def test_generate_leaves_the_model_as_given():
     assert patched and all("forward" in m.__dict__ for m in patched)
     restore_linears(patched)
     assert not any("forward" in m.__dict__ for m in model.modules())
-    make_cache(model, "streaming", budget=8)
+    make_cache(model, KVSpec.of("streaming", budget=8))
     assert model.config._attn_implementation == before
     with policy_attention(model):
         assert model.config._attn_implementation != before
@@ -269,7 +272,7 @@ def test_a_step_compiled_for_varying_rows_never_recompiles_and_equals_eager():
     outputs = {}
     for mode in ("never", "always"):
         graphs = counters["stats"]["unique_graphs"]
-        decoder = Decoder(model, "full", compile=mode, kv_bits=4, rows_vary=True, notify=lambda _: None)
+        decoder = Decoder(model, KVSpec.of("full", kv_bits=4), compile=mode, rows_vary=True, notify=lambda _: None)
         logits, seen, slots = None, [], []
         with policy_attention(model):
             for prompts in joins:
@@ -301,10 +304,10 @@ def test_rows_leaving_and_joining_move_only_their_own_rows_and_decode_as_alone(p
     prompts = [list(range(3, 3 + n)) for n in (9, 14, 11, 20)] + [list(range(30, 47))]
 
     def alone(prompt: list[int], steps: int) -> list[int]:
-        out = generate(model, [prompt], steps + 1, policy, budget=12, compile="never", eos_token_id=[])
+        out = generate(model, [prompt], steps + 1, KVSpec.of(policy, budget=12), compile="never", eos_token_id=[])
         return out.tokens[0]
 
-    decoder = Decoder(model, policy, compile="never", rows_vary=True, budget=12, notify=lambda _: None)
+    decoder = Decoder(model, KVSpec.of(policy, budget=12), compile="never", rows_vary=True, notify=lambda _: None)
     tokens = {row: [] for row in range(5)}
     with policy_attention(model):
         caches, logits = decoder.prefill(prompts[:4])

@@ -6,6 +6,7 @@ import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.eval import PolicyRun, recompute_nll, stream_compare, stream_ppl
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
 
 
@@ -25,8 +26,8 @@ def test_full_and_large_budgets_reproduce_dense_nll(arch, ids):
     dense = _dense_nll(model, ids)
     runs = [
         PolicyRun("full", "full"),
-        PolicyRun("streaming", "streaming", budget={"sinks": 4, "recent": 500}),
-        PolicyRun("h2o", "h2o", budget={"heavy": 200, "recent": 200}),
+        PolicyRun("streaming", KVSpec.of("streaming", sinks=4, recent=500)),
+        PolicyRun("h2o", KVSpec.of("h2o", heavy=200, recent=200)),
     ]
     results = stream_compare(model, ids, runs, chunk=7, reference="full", progress=False)
     for result in results.values():
@@ -39,7 +40,7 @@ def test_full_and_large_budgets_reproduce_dense_nll(arch, ids):
 
 def test_small_window_differs_and_is_measured_against_full(ids):
     model = build_tiny("llama")
-    runs = [PolicyRun("full", "full"), PolicyRun("window", "window", budget={"recent": 8})]
+    runs = [PolicyRun("full", "full"), PolicyRun("window", KVSpec.of("window", recent=8))]
     results = stream_compare(model, ids, runs, chunk=1, reference="full", progress=False)
     assert results["window"].kl > 0 and results["window"].top1 < 1.0
     assert results["window"].kv_mb < results["full"].kv_mb
@@ -63,7 +64,7 @@ def test_recompute_baseline_matches_manual_windows(ids):
 
 def test_max_tokens_stops_a_run(ids):
     model = build_tiny("llama")
-    runs = [PolicyRun("full", "full", max_tokens=40), PolicyRun("s", "streaming", budget={"sinks": 2, "recent": 8})]
+    runs = [PolicyRun("full", "full", max_tokens=40), PolicyRun("s", KVSpec.of("streaming", sinks=2, recent=8))]
     results = stream_compare(model, ids, runs, chunk=16, reference="full", progress=False)
     assert results["full"].tokens == 40 and results["s"].tokens == 89
     assert results["s"].fidelity_tokens == 40
@@ -72,8 +73,8 @@ def test_max_tokens_stops_a_run(ids):
 def test_interrupted_run_resumes_with_identical_nll(ids, tmp_path, monkeypatch):
     model = build_tiny("llama")
     runs = [
-        PolicyRun("h2o", "h2o", budget={"heavy": 6, "recent": 6}),
-        PolicyRun("streaming", "streaming", budget={"sinks": 2, "recent": 10}),
+        PolicyRun("h2o", KVSpec.of("h2o", heavy=6, recent=6)),
+        PolicyRun("streaming", KVSpec.of("streaming", sinks=2, recent=10)),
     ]
     clean = stream_compare(model, ids, runs, chunk=5, out_dir=tmp_path / "clean", checkpoint_every=20, progress=False)
     calls = {"n": 0}
@@ -100,7 +101,7 @@ def test_interrupted_run_resumes_with_identical_nll(ids, tmp_path, monkeypatch):
 
 def test_stream_ppl_single_policy(ids):
     model = build_tiny("gemma3")
-    result = stream_ppl(model, ids, "streaming", chunk=3, sinks=2, recent=12, progress=False)
+    result = stream_ppl(model, ids, KVSpec.of("streaming", sinks=2, recent=12), chunk=3, progress=False)
     assert result.tokens == 89 and result.ppl > 1 and len(result.window_ppl) == 1
     json.dumps(result.summary())
 

@@ -8,6 +8,7 @@ from sparsegen.decode import Decoder, generate
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache, make_policy, policy_attention
 from sparsegen.kv.duo_attention import calibrate_heads, save_heads
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import COMMON, build_tiny, tiny_tokenizer
 
 
@@ -21,8 +22,8 @@ def test_a_full_safeguard_keeps_each_heads_own_best_as_the_scorer_does():
     for arch in ("llama", "gemma3"):
         model = build_tiny(arch)
         ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(0))
-        adaptive = _generate(model, ids, make_cache(model, "adakv", budget=16, alpha=1.0))
-        per_head = _generate(model, ids, make_cache(model, "expected_attention", budget=16))
+        adaptive = _generate(model, ids, make_cache(model, KVSpec.of("adakv", budget=16, alpha=1.0)))
+        per_head = _generate(model, ids, make_cache(model, KVSpec.of("expected_attention", budget=16)))
         assert torch.equal(adaptive, per_head)
 
 
@@ -39,7 +40,7 @@ def test_the_cache_holds_the_budgets_bytes_not_the_largest_heads_times_the_heads
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(3))
     budget, new = 64, 10
-    cache = make_cache(model, "adakv", budget=budget)
+    cache = make_cache(model, KVSpec.of("adakv", budget=budget))
     _generate(model, ids, cache, new=new + 1)
     head_dim = config.hidden_size // config.num_attention_heads
     per_slot = 2 * head_dim * 4  # a key and a value, fp32
@@ -110,7 +111,9 @@ def test_calibrate_heads_equals_the_needle_share_of_eager_attention_weights():
 def test_duo_attention_refuses_heads_of_another_model(tmp_path):
     save_heads(torch.zeros(5, 3), tmp_path / "heads.json", "other")
     model = build_tiny("llama")
-    cache = make_cache(model, "duo_attention", sinks=2, heavy=8, recent=4, heads=str(tmp_path / "heads.json"))
+    cache = make_cache(
+        model, KVSpec.of("duo_attention", sinks=2, heavy=8, recent=4, heads=str(tmp_path / "heads.json"))
+    )
     with pytest.raises(SparsegenError, match="calibrated for another model"):
         _generate(model, torch.randint(3, 96, (1, 40)), cache, new=1)
 

@@ -7,6 +7,7 @@ from sparsegen.kv import PolicyLayer, make_cache, make_policy
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Step
 from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
 
 N, SINKS, HEADS, KV_HEADS, D = 24, 2, 4, 2, 16
@@ -77,7 +78,7 @@ def test_with_covariance_it_is_the_attention_gaussian_future_queries_give_on_ave
 def test_sinks_are_kept_and_new_tokens_after_compression():
     model = build_tiny("qwen2")
     ids = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(2))
-    cache = make_cache(model, "expected_attention", budget=20)
+    cache = make_cache(model, KVSpec.of("expected_attention", budget=20))
     with policy_attention(model):
         model(ids, cache=cache)
         for layer in cache.policy_layers():

@@ -9,6 +9,7 @@ from sparsegen.decode import generate
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache, make_policy, policy_attention
 from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import read
 from tests.conftest import ARCHS, build_tiny
 from tests.kv_reference import generate_drop_in
@@ -48,7 +49,7 @@ def test_kept_sets_equal_the_brute_force_reconstruction(arch):
     model = build_tiny(arch, "eager")
     ids = torch.randint(3, 96, (37,), generator=torch.Generator().manual_seed(7)).tolist()
     for chunk, cue in ((64, 8), (16, 3)):  # one re-read, and three chunks with cues
-        cache = make_cache(model, "kvzip", sinks=2, heavy=9, chunk=chunk, cue=cue)
+        cache = make_cache(model, KVSpec.of("kvzip", sinks=2, heavy=9, chunk=chunk, cue=cue))
         read(model, ids, cache)
         expected = _reference_kept(model, ids, 2, 9, chunk, cue)
         for layer in cache.policy_layers():
@@ -89,7 +90,7 @@ def test_one_prefill_reconstructs_once_for_every_budget(monkeypatch):
 def test_the_cache_holds_its_budgets_bytes():
     model = build_tiny("llama")
     ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(5))
-    cache = make_cache(model, "kvzip", budget=20)
+    cache = make_cache(model, KVSpec.of("kvzip", budget=20))
     generate_drop_in(model, ids, cache, 6)
     layers = cache.policy_layers()
     per_slot = 2 * layers[0].keys.shape[-1] * 4
@@ -104,12 +105,12 @@ def test_what_kvzip_cannot_do_is_a_one_line_error():
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(6))
     refused = pytest.raises(SparsegenError, match=r"re-reading it: read the prompt with sparsegen\.kv\.read")
     with refused, policy_attention(model):
-        model.generate(ids, cache=make_cache(model, "kvzip", budget=8), max_new_tokens=2, do_sample=False)
+        model.generate(ids, cache=make_cache(model, KVSpec.of("kvzip", budget=8)), max_new_tokens=2, do_sample=False)
     with pytest.raises(SparsegenError, match="drop the prompt's logprobs"):
-        read(model, ids, make_cache(model, "kvzip", budget=8), all_logits=True)
+        read(model, ids, make_cache(model, KVSpec.of("kvzip", budget=8)), all_logits=True)
     with pytest.raises(SparsegenError, match="chunk >= 1"):
         make_policy("kvzip", chunk=0)
-    roomy = make_cache(model, "kvzip", budget=64)  # nothing to evict: model.generate needs no re-reading
+    roomy = make_cache(model, KVSpec.of("kvzip", budget=64))  # nothing to evict: model.generate needs no re-reading
     assert len(generate_drop_in(model, ids, roomy, 4)) == 4
 
 

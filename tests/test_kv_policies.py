@@ -11,6 +11,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import POLICIES, PolicyLayer, make_cache, make_policy, resolve_budget
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import COMMON, PhysicalLengthRecorder, build_tiny
 from tests.kv_reference import EVICTING, INV_FREQ, TABLE, ReferenceCache
 
@@ -133,7 +134,7 @@ def test_generate_keeps_physical_length_within_budget(arch, policy):
     model = build_tiny(arch)
     ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(0))
     budget = 16
-    cache = make_cache(model, policy, budget=budget)
+    cache = make_cache(model, KVSpec.of(policy, budget=budget))
     recorder = PhysicalLengthRecorder(cache)
     with policy_attention(model):
         model.generate(
@@ -167,7 +168,7 @@ def test_generate_keeps_physical_length_within_budget(arch, policy):
 def test_pyramidkv_budgets_shrink_with_depth_and_hold_their_bytes():
     model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 5})).eval()
     ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(1))
-    cache = make_cache(model, "pyramidkv", heavy=96, recent=4)
+    cache = make_cache(model, KVSpec.of("pyramidkv", heavy=96, recent=4))
     with policy_attention(model):
         model(ids, cache=cache)
     sizes = [layer.size for layer in cache.policy_layers()]
@@ -188,7 +189,7 @@ def test_batch_rows_match_single_row_runs(policy):
             max_new_tokens=15,
             do_sample=False,
             pad_token_id=0,
-            cache=make_cache(model, policy, **TABLE[policy].small),
+            cache=make_cache(model, KVSpec.of(policy, **TABLE[policy].small)),
         )
     for row in range(3):
         with policy_attention(model):
@@ -197,7 +198,7 @@ def test_batch_rows_match_single_row_runs(policy):
                 max_new_tokens=15,
                 do_sample=False,
                 pad_token_id=0,
-                cache=make_cache(model, policy, **TABLE[policy].small),
+                cache=make_cache(model, KVSpec.of(policy, **TABLE[policy].small)),
             )
         length = single.shape[1]  # a row that met the end token is padded in the batch
         assert torch.equal(batch[row, :length], single[0]) and (batch[row, length:] == 0).all()
@@ -213,7 +214,7 @@ def test_padded_batch_is_refused(policy):
         model.generate(
             ids,
             attention_mask=mask,
-            cache=make_cache(model, policy, **TABLE[policy].small),
+            cache=make_cache(model, KVSpec.of(policy, **TABLE[policy].small)),
             max_new_tokens=3,
             pad_token_id=0,
         )
@@ -229,7 +230,7 @@ def test_unsupported_attention_implementation_is_refused():
     model = build_tiny("llama")
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(SparsegenError, match="attn_implementation='sdpa' or 'eager'"):
-        make_cache(model, "window", recent=8)
+        make_cache(model, KVSpec.of("window", recent=8))
 
 
 @pytest.mark.parametrize(
@@ -288,7 +289,7 @@ def test_conflicting_budget_parts_are_one_error(call, message):
 def test_ratio_budget_resolves_against_the_prompt():
     model = build_tiny("llama")
     ids = torch.randint(3, 96, (1, 50))
-    cache = make_cache(model, "h2o", heavy=0.1, recent=0.1)
+    cache = make_cache(model, KVSpec.of("h2o", heavy=0.1, recent=0.1))
     with policy_attention(model):
         model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert cache.physical_length() == 10

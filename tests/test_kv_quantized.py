@@ -11,6 +11,7 @@ from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.footprint import kv_bytes_per_token, kv_ring_bytes
 from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
 from sparsegen.kv.quantized import BITS, RESIDUAL, KVCodec
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE, generate_drop_in
 
@@ -42,8 +43,8 @@ def test_codec_rounds_each_number_within_half_a_step_of_its_group(bits, dim):
 def test_bad_bit_widths_get_one_line_errors():
     model = build_tiny("llama")
     for call in (
-        lambda: make_cache(model, "h2o", budget=8, kv_bits=5),
-        lambda: generate(model, _prompt(5), 2, kv_bits=16),
+        lambda: make_cache(model, KVSpec.of("h2o", budget=8, kv_bits=5)),
+        lambda: generate(model, _prompt(5), 2, KVSpec.of("full", kv_bits=16)),
     ):
         with pytest.raises(SparsegenError, match="kv_bits must be one of") as error:
             call()
@@ -56,8 +57,8 @@ def test_fast_path_equals_the_drop_in_cache_at_each_bit_width(arch, policy, bits
     """The static slots and the policy cache round, store and attend the same way."""
     model = build_tiny(arch)
     ids = _prompt(21)
-    reference = generate_drop_in(model, ids, make_cache(model, policy, kv_bits=bits, **SMALL[policy]), 24)
-    out = generate(model, ids, 24, policy=policy, compile="never", kv_bits=bits, **SMALL[policy])
+    reference = generate_drop_in(model, ids, make_cache(model, KVSpec.of(policy, kv_bits=bits, **SMALL[policy])), 24)
+    out = generate(model, ids, 24, KVSpec.of(policy, kv_bits=bits, **SMALL[policy]), compile="never")
     assert out.tokens[0] == reference
 
 
@@ -65,8 +66,8 @@ def test_fast_path_equals_the_drop_in_cache_at_each_bit_width(arch, policy, bits
 def test_8_bit_kv_keeps_every_policys_greedy_tokens(arch, policy):
     model = build_tiny(arch)
     ids = _prompt(21)
-    full_precision = generate(model, ids, 12, policy=policy, compile="never", **SMALL[policy])
-    eight_bits = generate(model, ids, 12, policy=policy, compile="never", kv_bits=8, **SMALL[policy])
+    full_precision = generate(model, ids, 12, KVSpec.of(policy, **SMALL[policy]), compile="never")
+    eight_bits = generate(model, ids, 12, KVSpec.of(policy, kv_bits=8, **SMALL[policy]), compile="never")
     assert eight_bits.tokens == full_precision.tokens
 
 
@@ -78,7 +79,7 @@ def test_full_cache_in_bits_equals_transformers_cache_rounded_after_each_forward
     model = build_tiny("qwen2")
     ids = _prompt(90)[0].tolist()
     codec = KVCodec.for_dim(bits, model.config.hidden_size // model.config.num_attention_heads)
-    decoder = Decoder(model, "full", compile="never", kv_bits=bits)
+    decoder = Decoder(model, KVSpec.of("full", kv_bits=bits), compile="never")
     with policy_attention(model), torch.inference_mode():
         logits = [decoder.start([ids[:40]], 64)[0]]
         for token in ids[40:-1]:
@@ -108,14 +109,14 @@ def test_kv_bytes_count_the_rounded_bytes(bits, per_vector):
     newest RESIDUAL in fp32."""
     model = build_tiny("llama")
     with policy_attention(model), torch.inference_mode():
-        cache = make_cache(model, "h2o", budget=10, kv_bits=bits)
+        cache = make_cache(model, KVSpec.of("h2o", budget=10, kv_bits=bits))
         model(_prompt(30), cache=cache)
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     ring = 0 if bits is None else RESIDUAL * 64
     assert cache.physical_length() == 10
     assert cache.kv_bytes() == layers * 2 * kv_heads * (10 * per_vector + ring)
     assert cache.kv_bytes() == 10 * kv_bytes_per_token(model, kv_bits=bits) + kv_ring_bytes(model, bits)
-    decoder = Decoder(model, "h2o", compile="never", kv_bits=bits, budget=10)
+    decoder = Decoder(model, KVSpec.of("h2o", kv_bits=bits, budget=10), compile="never")
     with policy_attention(model):
         decoder.start([_prompt(30)[0].tolist()], 4)
     assert decoder.state.kv_bytes() == layers * 2 * kv_heads * (11 * per_vector + ring)  # + the token in flight
@@ -126,9 +127,9 @@ def test_a_held_conversation_continues_in_its_bits_and_checkpoints_round_trip():
     equals the uninterrupted run; a checkpoint of it loads only into a cache of the same bits."""
     model = build_tiny("llama")
     ids = _prompt(20)[0].tolist()
-    whole = generate(model, [ids], 10, policy="h2o", compile="never", kv_bits=4, eos_token_id=[], budget=12)
-    first = generate(model, [ids], 5, policy="h2o", compile="never", kv_bits=4, eos_token_id=[], budget=12)
-    decoder = Decoder(model, "h2o", compile="never", kv_bits=4, budget=12)
+    whole = generate(model, [ids], 10, KVSpec.of("h2o", kv_bits=4, budget=12), compile="never", eos_token_id=[])
+    first = generate(model, [ids], 5, KVSpec.of("h2o", kv_bits=4, budget=12), compile="never", eos_token_id=[])
+    decoder = Decoder(model, KVSpec.of("h2o", kv_bits=4, budget=12), compile="never")
     with policy_attention(model):
         decoder.start([ids], 6)
         for token in first.tokens[0][:-1]:
@@ -139,27 +140,25 @@ def test_a_held_conversation_continues_in_its_bits_and_checkpoints_round_trip():
         model,
         [first.tokens[0][-1:]],
         5,
-        policy="h2o",
+        KVSpec.of("h2o", kv_bits=4, budget=12),
         compile="never",
-        kv_bits=4,
         held=[held],
         eos_token_id=[],
-        budget=12,
     )
     assert first.tokens[0] + rest.tokens[0] == whole.tokens[0]
-    copy = make_cache(model, "h2o", budget=12, kv_bits=4)
+    copy = make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4))
     for layer, source in zip(copy.layers, held.layers, strict=True):
         _load_layer_state(layer, _layer_state(source))
     assert copy.kv_bytes() == held.kv_bytes()
     with pytest.raises(SparsegenError, match="bits"):
-        _load_layer_state(make_cache(model, "h2o", budget=12).layers[0], _layer_state(held.layers[0]))
+        _load_layer_state(make_cache(model, KVSpec.of("h2o", budget=12)).layers[0], _layer_state(held.layers[0]))
 
 
 def test_compiled_step_in_4_bits_equals_the_eager_one():
     model = build_tiny("llama")
     ids = _prompt(21).expand(2, -1)
-    eager = generate(model, ids, 16, policy="h2o", compile="never", kv_bits=4, eos_token_id=[], budget=12)
-    compiled = generate(model, ids, 16, policy="h2o", compile="always", kv_bits=4, eos_token_id=[], budget=12)
+    eager = generate(model, ids, 16, KVSpec.of("h2o", kv_bits=4, budget=12), compile="never", eos_token_id=[])
+    compiled = generate(model, ids, 16, KVSpec.of("h2o", kv_bits=4, budget=12), compile="always", eos_token_id=[])
     assert compiled.mode == "compiled" and compiled.tokens == eager.tokens
 
 
@@ -200,8 +199,8 @@ def test_without_the_kernels_the_fast_path_decodes_in_torch_to_the_same_tokens(m
 
     model = build_tiny("llama")
     ids = _prompt(40)
-    with_kernels = generate(model, ids, 12, policy="h2o", compile="never", kv_bits=4, budget=16)
+    with_kernels = generate(model, ids, 12, KVSpec.of("h2o", kv_bits=4, budget=16), compile="never")
     monkeypatch.setattr(handover, "kernels_available", lambda: False)
-    decoder = Decoder(model, "h2o", compile="never", kv_bits=4, budget=16)
+    decoder = Decoder(model, KVSpec.of("h2o", kv_bits=4, budget=16), compile="never")
     without = generate(model, ids, 12, decoder=decoder)
     assert not decoder.state.layers[0].byte_products and without.tokens == with_kernels.tokens

@@ -6,6 +6,7 @@ import torch
 from sparsegen.decode import Decoder, generate
 from sparsegen.kv.kernels import kernels_available, rolled_scores
 from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
 
 
@@ -33,11 +34,11 @@ def test_streaming_h2o_decodes_the_same_tokens_with_and_without_the_rolled_kerne
     model = build_tiny(arch)
     lengths = (30, 37)
     prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
-    fused = Decoder(model, "streaming_h2o", compile="never", budget=16)
+    fused = Decoder(model, KVSpec.of("streaming_h2o", budget=16), compile="never")
     with_kernel = generate(model, prompts, 24, decoder=fused)
     assert all(layer.rolled_products for layer in fused.state.layers)
     monkeypatch.setattr(handover, "kernels_available", lambda: False)
-    plain = Decoder(model, "streaming_h2o", compile="never", budget=16)
+    plain = Decoder(model, KVSpec.of("streaming_h2o", budget=16), compile="never")
     without = generate(model, prompts, 24, decoder=plain)
     assert not any(layer.rolled_products for layer in plain.state.layers)
     assert with_kernel.tokens == without.tokens

@@ -15,6 +15,7 @@ from sparsegen.eval.stream_ppl import PolicyRun, stream_compare
 from sparsegen.kv import make_cache, make_policy, stream
 from sparsegen.kv.duo_attention import calibrate_heads
 from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv.spec import KVSpec
 from sparsegen.prompt.prompted import PromptedModel
 from sparsegen.prompt.soft import SoftPrompt
 
@@ -33,21 +34,21 @@ def _tokenizer():
 
 
 def _generate(model, tmp_path):
-    generate(model, IDS, 6, "h2o", compile="never", heavy=6, recent=6)
+    generate(model, IDS, 6, KVSpec.of("h2o", heavy=6, recent=6), compile="never")
 
 
 def _generate_compiled(model, tmp_path):
-    generate(model, IDS, 3, "streaming", compile="always", sinks=2, recent=10)
+    generate(model, IDS, 3, KVSpec.of("streaming", sinks=2, recent=10), compile="always")
 
 
 def _stream_left_early(model, tmp_path):
-    steps = stream(model, IDS, "tova", chunk=8, budget=12)
+    steps = stream(model, IDS, KVSpec.of("tova", budget=12), chunk=8)
     next(steps)
     steps.close()  # a caller that stops reading: the scope still ends
 
 
 def _chat(model, tmp_path):
-    chat = StreamingChat(model, _tokenizer(), "streaming", max_new_tokens=4, sinks=2, recent=30)
+    chat = StreamingChat(model, _tokenizer(), KVSpec.of("streaming", sinks=2, recent=30), max_new_tokens=4)
     "".join(chat.ask("w10 w11 w12"))
 
 
@@ -63,7 +64,7 @@ def _needle(model, tmp_path):
 
 
 def _stream_perplexity(model, tmp_path):
-    runs = [PolicyRun("full", "full"), PolicyRun("h2o", "h2o", budget={"heavy": 4, "recent": 4})]
+    runs = [PolicyRun("full", "full"), PolicyRun("h2o", KVSpec.of("h2o", heavy=4, recent=4))]
     stream_compare(model, IDS[0], runs, chunk=8, reference="full", progress=False)
 
 
@@ -76,18 +77,18 @@ def _lm_eval(model, tmp_path):
 
 
 def _soft_prompt(model, tmp_path):
-    prompted = PromptedModel(model, SoftPrompt(torch.randn(3, 64) * 0.02), "streaming", sinks=2, recent=20)
+    prompted = PromptedModel(model, SoftPrompt(torch.randn(3, 64) * 0.02), KVSpec.of("streaming", sinks=2, recent=20))
     generate(model, IDS, 3, prompted.policy, compile="never", held=[prompted.cache()])
 
 
 def _server(model, tmp_path):
-    with live_server((model, _tokenizer()), "h2o", {"heavy": 8, "recent": 8}) as (url, _):
+    with live_server((model, _tokenizer()), KVSpec.of("h2o", heavy=8, recent=8)) as (url, _):
         body = {"model": "tiny", "prompt": "w5 w6 w7 w8", "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def _make_cache(model, tmp_path):
-    make_cache(model, "pyramidkv", budget=10)
+    make_cache(model, KVSpec.of("pyramidkv", budget=10))
 
 
 def _calibrate_heads(model, tmp_path):

@@ -5,6 +5,7 @@ from conftest import build_tiny, tiny_tokenizer
 
 from sparsegen.eval.needle import NEEDLE, build_prompt, needle_job, retrieve
 from sparsegen.kv import make_cache
+from sparsegen.kv.spec import KVSpec
 
 FILLER = " ".join(f"w{10 + i % 80}" for i in range(400))
 
@@ -27,7 +28,7 @@ def test_full_cache_answers_as_plain_greedy_decoding_and_a_window_forgets_the_ne
     ids = torch.tensor([context + question])
     greedy = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
     assert answer == tokenizer.decode(greedy, skip_special_tokens=True)
-    window = make_cache(model, "window", recent=20)
+    window = make_cache(model, KVSpec.of("window", recent=20))
     retrieve(model, tokenizer, context, question, window, chunk=16, answer_tokens=2)
     held = window.policy_layers()[0].held_positions()[0, 0].tolist()
     needle = len(tokenizer(NEEDLE.format(key="w7"), add_special_tokens=False)["input_ids"])

@@ -7,6 +7,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import prompted_ppl, windowed_ppl
 from sparsegen.kv import POLICIES
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 from sparsegen.prompt import PromptTraining, SoftPrompt, prompt_loss, train_prompt
 from sparsegen.prompt.prompted import PromptedModel
 from sparsegen.prompt.train import STATE
@@ -84,11 +85,11 @@ def test_cached_prompt_generation_equals_recomputing_it_and_is_never_evicted(pol
     prompt = SoftPrompt.from_vocabulary(model, 5, seed=1)
     ids = _samples(1, 12, seed=3)
     expected = _reference_greedy(model, prompt, ids, 16)
-    roomy = PromptedModel(model, prompt, policy, **({} if policy == "full" else {"budget": 64}))
+    roomy = PromptedModel(model, prompt, KVSpec.of(policy, **({} if policy == "full" else {"budget": 64})))
     assert torch.equal(roomy.generate(ids, max_new_tokens=16), expected)
     if policy == "full":
         return
-    tight = PromptedModel(model, prompt, policy, budget=8)
+    tight = PromptedModel(model, prompt, KVSpec.of(policy, budget=8))
     cache = tight.cache()
     placeholder = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
     if POLICIES[policy].reconstructs:  # it re-reads token ids, and a soft prompt has none: a clear error

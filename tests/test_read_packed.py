@@ -11,6 +11,7 @@ import sparsegen
 import sparsegen.serve.batching as batching
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import packable, read, read_packed
 from sparsegen.serve.events import Done, Failed, Token
 
@@ -22,9 +23,9 @@ PROMPTS = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 17
 @pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "adakv", "tova"])
 def test_prompts_read_packed_equal_each_read_alone(arch, attn, policy):
     model = build_tiny(arch, attn)
-    alone = [make_cache(model, policy, budget=6) for _ in PROMPTS]
+    alone = [make_cache(model, KVSpec.of(policy, budget=6)) for _ in PROMPTS]
     expected = torch.stack([read(model, ids, cache) for ids, cache in zip(PROMPTS, alone, strict=True)])
-    packed = [make_cache(model, policy, budget=6) for _ in PROMPTS]
+    packed = [make_cache(model, KVSpec.of(policy, budget=6)) for _ in PROMPTS]
     torch.testing.assert_close(read_packed(model, PROMPTS, packed), expected, rtol=1e-5, atol=1e-5)
     for one, other in zip(alone, packed, strict=True):
         assert one.physical_length() == other.physical_length()
@@ -39,7 +40,7 @@ def test_a_held_cache_or_a_model_s_own_sliding_layers_are_refused():
     model = build_tiny("llama")
     held = make_cache(model, "full")
     read(model, [5, 6], held)
-    assert not packable(held) and not packable(make_cache(model, "kvzip", budget=4))
+    assert not packable(held) and not packable(make_cache(model, KVSpec.of("kvzip", budget=4)))
     with pytest.raises(SparsegenError, match="fresh caches"):
         read_packed(model, [[7, 8]], [held])
     with pytest.raises(SparsegenError, match="one non-empty prompt per cache"):
@@ -52,7 +53,7 @@ def test_the_engine_reads_waiting_prompts_packed_and_answers_as_alone(monkeypatc
     original = batching.read_packed
     monkeypatch.setattr(batching, "read_packed", lambda *a: calls.append(len(a[1])) or original(*a))
     budget = {"heavy": 3, "recent": 3}
-    engine = batching.Engine(model, tiny_tokenizer(), policy="h2o", budget=budget, prefill_chunk=64)
+    engine = batching.Engine(model, tiny_tokenizer(), KVSpec.of("h2o", **budget), prefill_chunk=64)
     answers: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     ended = threading.Semaphore(0)
 
@@ -74,7 +75,7 @@ def test_the_engine_reads_waiting_prompts_packed_and_answers_as_alone(monkeypatc
     assert calls and max(calls) >= 2  # at least two prompts shared a forward
     tokenizer = tiny_tokenizer()
     for index, ids in enumerate(PROMPTS):
-        made = sparsegen.generate(model, [ids], 5, "h2o", compile="never", **budget)
+        made = sparsegen.generate(model, [ids], 5, KVSpec.of("h2o", **budget), compile="never")
         assert "".join(answers[index]) == tokenizer.decode(made.tokens[0], skip_special_tokens=True)
 
 
@@ -86,7 +87,7 @@ def test_a_failed_packed_read_fails_its_requests_frees_their_kv_and_the_engine_s
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(batching, "read_packed", broken)
-    engine = batching.Engine(model, tiny_tokenizer(), policy="full", prefill_chunk=64)
+    engine = batching.Engine(model, tiny_tokenizer(), "full", prefill_chunk=64)
     events: dict[int, list] = {i: [] for i in range(4)}
     ended = threading.Semaphore(0)
 

@@ -7,6 +7,7 @@ from sparsegen.data import load_text, tokenize_long
 from sparsegen.decode import generate
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 
 pytestmark = pytest.mark.real
 
@@ -16,12 +17,12 @@ def test_greedy_equals_transformers_generate(real):
     ids = tokenize_long(tokenizer, load_text("shakespeare"), max_tokens=300)[None]
     with torch.inference_mode(), policy_attention(model):
         plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-        cache = make_cache(model, "h2o", heavy=64, recent=64)
+        cache = make_cache(model, KVSpec.of("h2o", heavy=64, recent=64))
         sparse = model.generate(
             ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=24, do_sample=False
         )
     assert generate(model, ids, 24, compile="never", eos_token_id=[]).tokens[0] == plain[0, 300:].tolist()
-    fast = generate(model, ids, 24, policy="h2o", heavy=64, recent=64, compile="never", eos_token_id=[])
+    fast = generate(model, ids, 24, KVSpec.of("h2o", heavy=64, recent=64), compile="never", eos_token_id=[])
     assert fast.tokens[0] == sparse[0, 300:].tolist()
 
 
@@ -32,6 +33,6 @@ def test_padded_batch_of_four_gives_each_rows_single_output(real):
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    options = dict(policy="streaming", sinks=4, recent=124, compile="never", eos_token_id=[])
+    options = dict(kv=KVSpec.of("streaming", sinks=4, recent=124), compile="never", eos_token_id=[])
     batch = generate(model, ids, 16, attention_mask=mask, **options)
     assert batch.tokens == [generate(model, [p], 16, **options).tokens[0] for p in prompts]

@@ -8,6 +8,7 @@ from sparsegen.data import load_text, tokenize_long
 from sparsegen.eval import PolicyRun, stream_compare
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import PhysicalLengthRecorder
 
 pytestmark = pytest.mark.real
@@ -25,7 +26,7 @@ def _prompt(tokenizer, text="Tell me a long story about a dragon and a knight.")
 def test_generation_stays_within_budget(real, policy, parts):
     model, tokenizer = real
     encoded = _prompt(tokenizer)
-    cache = make_cache(model, policy, **parts)
+    cache = make_cache(model, KVSpec.of(policy, **parts))
     lengths = PhysicalLengthRecorder(cache)
     with policy_attention(model):
         out = model.generate(
@@ -51,7 +52,7 @@ def test_budget_larger_than_text_is_identical_to_plain_generate(real):
         ("streaming_h2o", {"sinks": 4, "heavy": 500, "recent": 500}),
     ]:
         with policy_attention(model):
-            cache = make_cache(model, policy, **parts)
+            cache = make_cache(model, KVSpec.of(policy, **parts))
             sparse = model.generate(**encoded, max_new_tokens=40, do_sample=False, cache=cache)
         assert torch.equal(sparse, plain), policy
 
@@ -62,8 +63,8 @@ def test_sinks_rescue_window_attention(real):
     ids = tokenize_long(tokenizer, load_text("shakespeare"), max_tokens=1500)
     runs = [
         PolicyRun("full", "full"),
-        PolicyRun("window", "window", budget={"recent": 256}),
-        PolicyRun("streaming", "streaming", budget={"sinks": 4, "recent": 252}),
+        PolicyRun("window", KVSpec.of("window", recent=256)),
+        PolicyRun("streaming", KVSpec.of("streaming", sinks=4, recent=252)),
     ]
     results = stream_compare(model, ids, runs, chunk=32, reference="full", progress=False)
     full, window, streaming = (results[k].ppl for k in ("full", "window", "streaming"))

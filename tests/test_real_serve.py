@@ -7,6 +7,7 @@ from serving import conversation_rss, live_server
 
 from sparsegen.eval.harness import SparsegenLM
 from sparsegen.eval.tasks import task_manager
+from sparsegen.kv.spec import KVSpec
 from sparsegen.loading import resolve_model_path
 
 pytestmark = pytest.mark.real
@@ -17,7 +18,7 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def test_streamed_chat_and_a_100_turn_conversation_in_bounded_memory(real):
-    with live_server(real, "streaming", {"sinks": 4, "recent": 252}, model_id="smollm2-135m") as (url, app):
+    with live_server(real, KVSpec.of("streaming", sinks=4, recent=252), model_id="smollm2-135m") as (url, app):
         client = _client(url)
         stream = client.chat.completions.create(
             model="smollm2-135m",
@@ -45,7 +46,7 @@ def test_chat_answers_carry_no_template_tokens_across_prompts_and_sampling(real)
     questions = ["What is the capital of France?", "Write a haiku about rain.", "List three fruits.", "Hi!"]
     settings = [{}, {"temperature": 0.7, "seed": 1}, {"temperature": 1.0, "top_p": 0.9, "seed": 2}]
     specials = set(real[1].all_special_tokens) | {"<|im_start|>", "<|im_end|>"}
-    with live_server(real, "streaming", {"budget": 512}, model_id="smollm2-135m") as (url, _):
+    with live_server(real, KVSpec.of("streaming", budget=512), model_id="smollm2-135m") as (url, _):
         client = _client(url)
         replies = [
             client.chat.completions.create(

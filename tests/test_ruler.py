@@ -7,6 +7,7 @@ import pytest
 from sparsegen.eval import ruler
 from sparsegen.eval.ruler import RulerSettings, clean, kept_tokens, ruler_job
 from sparsegen.eval.ruler_data import RulerSample, make_samples, task_table
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny, tiny_tokenizer
 from tests.test_cli import run_cli
 
@@ -90,6 +91,9 @@ def test_kv_bits_hold_every_cell_in_that_many_bits_and_older_results_files_resum
     four = _settings(kv_bits=4, policies=("full", "h2o", "kvzip"))
     records = ruler_job(model, tokenizer, four, tmp_path / "four", progress=False)
     assert {r["kv_bits"] for r in records} == {4}
+    for r in records:  # each cell records the spec it ran under, read back whole
+        spec = KVSpec.from_dict(r["kv"])
+        assert (spec.name, spec.kv_bits, spec.policy.describe()) == (r["policy"], 4, r["setting"])
     alone = ruler_job(
         model,
         tokenizer,

@@ -12,6 +12,7 @@ from conftest import build_tiny, tiny_tokenizer
 from serving import conversation_rss, live_server
 
 from sparsegen.kv.footprint import kv_bytes_per_token
+from sparsegen.kv.spec import KVSpec
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}w4 {% else %}w5 {% endif %}{{ m['content'] }} </s> "
@@ -29,7 +30,7 @@ def _loaded(arch: str = "llama"):
 @pytest.fixture(scope="module")
 def server():
     loaded = _loaded()
-    with live_server(loaded, "streaming", LARGE) as (url, app):
+    with live_server(loaded, KVSpec.of("streaming", **LARGE)) as (url, app):
         yield url, app, loaded
 
 
@@ -132,7 +133,7 @@ def test_eight_concurrent_clients_each_get_a_complete_answer(server):
 
 
 def test_a_long_conversation_reuses_its_cache_and_stays_within_the_budget():
-    with live_server(_loaded(), "streaming", {"sinks": 2, "recent": 30}) as (url, app):
+    with live_server(_loaded(), KVSpec.of("streaming", sinks=2, recent=30)) as (url, app):
         turns = [f"w{10 + i % 80} w{20 + i % 70} w{30 + i % 60}" for i in range(100)]
         usages, rss = conversation_rss(_client(url), "tiny", turns, max_tokens=3)
         assert all(u["kv_tokens_held"] <= 32 for u in usages)
@@ -208,7 +209,7 @@ def test_a_prompt_longer_than_the_full_policy_holds_is_refused():
 def test_held_conversations_stay_under_the_memory_cap_and_come_back_rebuilt():
     loaded = _loaded()
     room = 16 * kv_bytes_per_token(loaded[0])  # one short request (about 9 tokens), not a held one beside it
-    with live_server(loaded, "streaming", {"sinks": 2, "recent": 30}, max_kv_bytes=room) as (url, app):
+    with live_server(loaded, KVSpec.of("streaming", sinks=2, recent=30), max_kv_bytes=room) as (url, app):
         client = _client(url)
         first = [{"role": "user", "content": "w10 w11"}]
         reply = client.chat.completions.create(model="tiny", messages=first, max_tokens=3, temperature=0)
@@ -296,7 +297,7 @@ def test_concurrent_greedy_requests_of_mixed_lengths_and_policies_each_get_their
         {"kv_policy": "h2o", "kv_budget": 12},
         {"kv_policy": "kvzip", "kv_budget": 4},  # re-reads its first prompt chunk to score it
     ]
-    with live_server(loaded, "streaming", {"sinks": 2, "recent": 16}, prefill_chunk=8) as (url, app):
+    with live_server(loaded, KVSpec.of("streaming", sinks=2, recent=16), prefill_chunk=8) as (url, app):
         extras = [policies[index % len(policies)] for index in range(len(prompts))]
         results = _ask_together(url, prompts, extras, max_tokens=14)
         assert app.state.engine.stats()["active"] == 0
@@ -306,13 +307,13 @@ def test_concurrent_greedy_requests_of_mixed_lengths_and_policies_each_get_their
         if extra["kv_policy"] == "streaming":
             budget = {"sinks": 2, "recent": 16}
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        alone = generate(model, [ids], 14, policy=extra["kv_policy"], compile="never", prefill_chunk=8, **budget)
+        alone = generate(model, [ids], 14, KVSpec.of(extra["kv_policy"], **budget), compile="never", prefill_chunk=8)
         assert results[index] == tokenizer.decode(alone.tokens[0], skip_special_tokens=True), index
 
 
 def test_a_row_joins_and_another_leaves_while_a_long_one_decodes():
     loaded = _loaded()
-    with live_server(loaded, "streaming", LARGE) as (url, app):
+    with live_server(loaded, KVSpec.of("streaming", **LARGE)) as (url, app):
         engine = app.state.engine
         body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 200, "temperature": 0, "stream": True}
         short = {"model": "tiny", "prompt": "w9 w10 w11", "max_tokens": 3, "temperature": 0}
@@ -331,7 +332,7 @@ def test_a_row_joins_and_another_leaves_while_a_long_one_decodes():
 def test_requests_wait_for_kv_memory_and_past_the_queue_get_429():
     loaded = _loaded()
     room = 40 * kv_bytes_per_token(loaded[0])  # one request of 33 slots at a time
-    with live_server(loaded, "streaming", {"sinks": 2, "recent": 30}, max_kv_bytes=room, max_queue=1) as (url, app):
+    with live_server(loaded, KVSpec.of("streaming", sinks=2, recent=30), max_kv_bytes=room, max_queue=1) as (url, app):
         long = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 4000, "temperature": 0, "stream": True}
         short = {"model": "tiny", "prompt": "w7 w8", "max_tokens": 40}  # needs all 33 slots too
         with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=long) as response:
@@ -371,7 +372,7 @@ def test_requests_in_different_kv_bits_batch_apart_and_each_equals_its_single_ru
     model, tokenizer = loaded
     prompts = [" ".join(f"w{5 + (i * 11 + j) % 90}" for j in range(n)) for i, n in enumerate((9, 30, 17, 26))]
     bits = [4, 8, None, 3]
-    with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, kv_bits=4) as (url, app):
+    with live_server(loaded, KVSpec.of("h2o", budget=12, kv_bits=4), prefill_chunk=8) as (url, app):
         extras = [{"kv_bits": b} if b != 4 else {} for b in bits]  # omitted: the server's 4; null: none
         results = _ask_together(url, prompts, extras, max_tokens=12)
         bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w5", "kv_bits": 5})
@@ -380,6 +381,6 @@ def test_requests_in_different_kv_bits_batch_apart_and_each_equals_its_single_ru
     for index, prompt in enumerate(prompts):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         alone = generate(
-            model, [ids], 12, policy="h2o", compile="never", prefill_chunk=8, kv_bits=bits[index], budget=12
+            model, [ids], 12, KVSpec.of("h2o", kv_bits=bits[index], budget=12), compile="never", prefill_chunk=8
         )
         assert results[index] == tokenizer.decode(alone.tokens[0], skip_special_tokens=True), index

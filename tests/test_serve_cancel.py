@@ -9,6 +9,7 @@ import torch
 from conftest import build_tiny, tiny_tokenizer
 
 from sparsegen.kv import make_cache, make_policy
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import Abandoned, read
 from sparsegen.models import decoder_layers
 from sparsegen.serve.batching import Engine, Job
@@ -48,7 +49,7 @@ def test_a_stop_that_never_fires_reads_as_without_it():
 
 def test_the_engine_drops_a_request_cancelled_while_its_prompt_is_read_whole():
     model = build_tiny("llama")
-    engine = Engine(model, tiny_tokenizer(), policy="snapkv", budget={"budget": 16})
+    engine = Engine(model, tiny_tokenizer(), KVSpec.of("snapkv", budget=16))
     try:
         events: list = []
         ended = threading.Event()

@@ -6,6 +6,8 @@ import threading
 from serving import live_server
 from test_serve import _ask_together, _loaded
 
+from sparsegen.kv.spec import KVSpec
+
 
 def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave(monkeypatch):
     from torch._dynamo.utils import counters
@@ -27,7 +29,7 @@ def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave(monke
     loaded = _loaded()
     model, tokenizer = loaded
     prompts = [" ".join(f"w{5 + (i * 13 + j) % 90}" for j in range(n)) for i, n in enumerate((5, 33, 12, 48, 21, 9))]
-    with live_server(loaded, "h2o", {"budget": 12}, prefill_chunk=8, compile=True) as (url, app):
+    with live_server(loaded, KVSpec.of("h2o", budget=12), prefill_chunk=8, compile=True) as (url, app):
         early = _ask_together(url, prompts[:2], [None, None], max_tokens=10)  # before the step is compiled
         assert app.state.engine.stats()["step"] == "compiling"
         gate.set()
@@ -46,5 +48,5 @@ def test_the_compiled_batched_step_never_recompiles_as_rows_join_and_leave(monke
     assert alone[0] == together[0] and early == {0: together[0], 1: together[1]}
     for index, prompt in enumerate(prompts):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        eager = generate(model, [ids], 10, policy="h2o", compile="never", prefill_chunk=8, budget=12)
+        eager = generate(model, [ids], 10, KVSpec.of("h2o", budget=12), compile="never", prefill_chunk=8)
         assert together[index] == tokenizer.decode(eager.tokens[0], skip_special_tokens=True), index

@@ -5,6 +5,7 @@ from tokenizers import AddedToken
 
 from sparsegen.decode import generate
 from sparsegen.decode.chat import StreamingChat
+from sparsegen.kv.spec import KVSpec
 from sparsegen.sampling import StopRule, Verdict, stop_tokens, template_tokens
 from tests.conftest import build_tiny, tiny_tokenizer
 
@@ -95,7 +96,7 @@ def _reference_answer(model, tokenizer, messages: list[dict], max_new_tokens: in
 def test_chat_answers_equal_transformers_generate_on_the_conversation():
     model = build_tiny("llama")
     tokenizer, _, _ = _turn_token_tokenizer(model)
-    chat = StreamingChat(model, tokenizer, "streaming", max_new_tokens=8, **LARGE)
+    chat = StreamingChat(model, tokenizer, KVSpec.of("streaming", **LARGE), max_new_tokens=8)
     messages, lengths = [], []
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})

@@ -7,6 +7,7 @@ from sparsegen.errors import SparsegenError
 __version__ = "0.1.0"
 _API = {
     "DEFAULT_MODEL": "sparsegen.loading",
+    "KVSpec": "sparsegen.kv.spec",
     "generate": "sparsegen.decode",
     "load": "sparsegen.loading",
     "load_text": "sparsegen.data",

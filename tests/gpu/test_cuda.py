@@ -9,6 +9,7 @@ import sparsegen
 from sparsegen.contextual import sparsify
 from sparsegen.decode import generate
 from sparsegen.kv import make_cache
+from sparsegen.kv.spec import KVSpec
 from sparsegen.prune import prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.quant import quantize
@@ -26,7 +27,7 @@ def _prompt(length: int = 21, seed: int = 1) -> torch.Tensor:
 
 
 def _reference(model, ids, policy, budget, new):
-    return generate_drop_in(model, ids, make_cache(model, policy, **budget), new)
+    return generate_drop_in(model, ids, make_cache(model, KVSpec.of(policy, **budget)), new)
 
 
 @pytest.mark.parametrize("compile", ["never", "always"])
@@ -35,7 +36,7 @@ def test_fast_path_equals_generate_on_cuda(policy, compile):
     model = build_tiny("llama").to(CUDA)  # fp32: the same arithmetic in both engines, token for token
     ids = _prompt()
     budget = TABLE[policy].small
-    out = generate(model, ids, 24, policy=policy, compile=compile, **budget)
+    out = generate(model, ids, 24, KVSpec.of(policy, **budget), compile=compile)
     assert out.tokens[0] == _reference(model, ids, policy, budget, 24)
     assert out.mode == ("compiled" if compile == "always" else "eager")
 
@@ -43,7 +44,7 @@ def test_fast_path_equals_generate_on_cuda(policy, compile):
 def test_bf16_decoding_keeps_its_cache_in_bf16_and_agrees_with_generate():
     model = build_tiny("llama").to(CUDA, torch.bfloat16)
     ids = _prompt()
-    out = generate(model, ids, 16, policy="h2o", compile="never", heavy=6, recent=6)
+    out = generate(model, ids, 16, KVSpec.of("h2o", heavy=6, recent=6), compile="never")
     assert out.tokens[0][:4] == _reference(model, ids, "h2o", {"heavy": 6, "recent": 6}, 16)[:4]
 
 

@@ -8,6 +8,7 @@ Each configuration runs in its own process (its own peak RSS, no shared warm cac
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from sparsegen.bench.quantized import (
 from sparsegen.data import text_stretches
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.kv.footprint import kv_bytes_per_token, kv_ring_bytes
+from sparsegen.kv.spec import KVSpec
 from sparsegen.models import DTYPES
 from sparsegen.report import markdown_table, run_meta
 
@@ -34,16 +36,15 @@ def fast_decode_worker(
     context,
     new_tokens,
     dtype,
-    policy,
-    budget,
+    kv: KVSpec | str,
     rows,
     threads,
     device: str | None = None,
-    kv_bits: int | None = None,
     activation_bits: int | None = None,
 ) -> dict:
-    """Per-step time of the fast path after `context` tokens per row (KV in `kv_bits` if given; a
+    """Per-step time of the fast path after `context` tokens per row under the KV spec `kv` (a
     packed checkpoint's products as integer dots with `activation_bits=8`), and the first row's tokens."""
+
     from sparsegen.bench.measure import peak_rss_mb
     from sparsegen.decode import generate
     from sparsegen.loading import load
@@ -51,10 +52,11 @@ def fast_decode_worker(
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, dtype=DTYPES[dtype], device=device, activation_bits=activation_bits)
     prompts = text_stretches(tokenizer, text, rows, context)
-    options = {"compile": "always", "eos_token_id": [], "kv_bits": kv_bits}
-    warm = generate(model, prompts, 8, policy=policy, **options, **budget)  # compiles; the first run's steps are slower
-    out = generate(model, prompts, new_tokens, policy=policy, **options, **budget)
-    held = context if policy == "full" else min(context, sum(budget.values()))
+    kv = KVSpec.coerce(kv)
+    options = {"compile": "always", "eos_token_id": []}
+    warm = generate(model, prompts, 8, kv, **options)  # compiles; the first run's steps are slower
+    out = generate(model, prompts, new_tokens, kv, **options)
+    held = min(context, kv.policy.sizes(context).budget) if kv.policy.budget_parts() else context
     return {
         "ms": out.ms_per_step,
         "tokens_per_s": out.tokens_per_s,
@@ -62,7 +64,7 @@ def fast_decode_worker(
         "prefill_s": out.prefill_s,
         "rss": peak_rss_mb(),
         "weight_mb": weight_bytes(model) / 1e6,
-        "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, kv_bits=kv_bits) / 1e6,
+        "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, kv_bits=kv.kv_bits) / 1e6,
         "tokens": [int(token) for token in out.tokens[0]],
     }
 
@@ -121,22 +123,22 @@ def bound_of(row: dict, bandwidth: float) -> dict:
 
 def _fast_runs(
     model_name: str, folders: dict[str, Path], context: int, long_context: int, cache: int
-) -> list[tuple[str, str, str, dict, int, str, dict]]:
-    """The fast path's configurations as (model, dtype, policy, budget, context, label, worker
-    options): fp32, bf16 weights and each packed checkpoint at `context` (int4 also with integer-dot
+) -> list[tuple[str, str, KVSpec | str, int, str, dict]]:
+    """The fast path's configurations as (model, dtype, KV spec, context, label, worker options):
+    fp32, bf16 weights and each packed checkpoint at `context` (int4 also with integer-dot
     products), then dense and streaming after `long_context`."""
-    runs = [(model_name, "fp32", "full", {}, context, f"fast fp32, {context} ctx", {})]
-    runs += [(model_name, "bf16", "full", {}, context, f"fast bf16 weights, {context} ctx", {})]
+    runs = [(model_name, "fp32", "full", context, f"fast fp32, {context} ctx", {})]
+    runs += [(model_name, "bf16", "full", context, f"fast bf16 weights, {context} ctx", {})]
     for label, path in folders.items():
-        runs += [(str(path), "fp32", "full", {}, context, f"fast {label} packed, {context} ctx", {})]
+        runs += [(str(path), "fp32", "full", context, f"fast {label} packed, {context} ctx", {})]
         if label == "int4":
             dots = f"fast int4 integer-dot, {context} ctx"
-            runs += [(str(path), "fp32", "full", {}, context, dots, {"activation_bits": 8})]
+            runs += [(str(path), "fp32", "full", context, dots, {"activation_bits": 8})]
     if long_context:
-        stream = {"sinks": 4, "recent": cache - 4}
-        runs += [(model_name, "fp32", "full", {}, long_context, f"fast fp32 dense, {long_context} ctx", {})]
+        stream = KVSpec.of("streaming", sinks=4, recent=cache - 4)
+        runs += [(model_name, "fp32", "full", long_context, f"fast fp32 dense, {long_context} ctx", {})]
         label = f"fast fp32 streaming 4+{cache - 4}, after {long_context}"
-        runs += [(model_name, "fp32", "streaming", stream, long_context, label, {})]
+        runs += [(model_name, "fp32", stream, long_context, label, {})]
     return runs
 
 
@@ -228,11 +230,9 @@ def bench_decode(
     base = {"ms": ms, "rss": rss, "weight_mb": weight_mb, "kv_mb": (context + new_tokens // 2) * kv_mb_per_token}
     rows = [{"config": f"generate() fp32, {context} ctx", **base}]
     folders = _in_process(quantized_checkpoints, model_name, out, device=device) if quantized else {}
-    for name, dtype, policy, budget, length, label, options in _fast_runs(
-        model_name, folders, context, long_context, cache
-    ):
+    for name, dtype, kv, length, label, options in _fast_runs(model_name, folders, context, long_context, cache):
         progress(label)
-        worker_args = (name, text, length, new_tokens, dtype, policy, budget, 1, threads)
+        worker_args = (name, text, length, new_tokens, dtype, kv, 1, threads)
         result = _in_process(fast_decode_worker, *worker_args, device=device, **options)
         rows.append({"config": label, **result})
     if llama_cpp:
@@ -317,20 +317,21 @@ def bench_throughput(
 
     share = int(heavy_share * prompt)
     configs = [
-        ("dense", "full", {}, -(-(prompt + new_tokens) // 64) * 64),
-        (f"h2o {2 * share} ({200 * heavy_share:.0f}%)", "h2o", {"heavy": share, "recent": share}, 2 * share + 1),
-        (f"streaming 4+{2 * share - 4}", "streaming", {"sinks": 4, "recent": 2 * share - 4}, 2 * share + 1),
+        ("dense", KVSpec.of("full"), -(-(prompt + new_tokens) // 64) * 64),
+        (f"h2o {2 * share} ({200 * heavy_share:.0f}%)", KVSpec.of("h2o", heavy=share, recent=share), 2 * share + 1),
+        (f"streaming 4+{2 * share - 4}", KVSpec.of("streaming", sinks=4, recent=2 * share - 4), 2 * share + 1),
     ]
     rows = []
-    for bits, (label, policy, budget, slots) in ((bits, c) for bits in per_token for c in configs):
+    for bits, (label, kv, slots) in ((bits, c) for bits in per_token for c in configs):
         label += "" if bits is None else f", KV int{bits}"
         batch = min(max_batch, int(kv_mb * 1e6 // row_bytes(bits, slots)))
         if batch < 1:
             rows.append({"config": label, "batch": 0})
             continue
         progress(f"{label}: batch {batch}")
-        worker_args = (model_name, text, prompt, new_tokens, "fp32", policy, budget, batch, threads)
-        result = _in_process(fast_decode_worker, *worker_args, device=device, kv_bits=bits)
+        held_in = dataclasses.replace(kv, kv_bits=bits)
+        worker_args = (model_name, text, prompt, new_tokens, "fp32", held_in, batch, threads)
+        result = _in_process(fast_decode_worker, *worker_args, device=device)
         rows.append({"config": label, "batch": batch, **result, "kv_mb": batch * row_bytes(bits, slots) / 1e6})
     meta = run_meta(model=model_name, text=text, prompt=prompt, new_tokens=new_tokens, kv_budget_mb=kv_mb)
     out.mkdir(parents=True, exist_ok=True)

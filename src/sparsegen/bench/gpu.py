@@ -25,6 +25,7 @@ from sparsegen.decode import generate
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.kernels import Unpacked
 from sparsegen.kv.footprint import kv_bytes_per_token
+from sparsegen.kv.spec import KVSpec
 from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune import prune
 from sparsegen.prune.accelerate import SemiStructuredLinear, sparse_form
@@ -65,12 +66,24 @@ def _kv_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype if model.device.type != "cpu" else torch.float32
 
 
-def _decode_row(model, what, setting, rows, context, new_tokens, bandwidth, compile="always", held=None, **options):
+def _decode_row(
+    model,
+    what,
+    setting,
+    rows,
+    context,
+    new_tokens,
+    bandwidth,
+    compile="always",
+    held=None,
+    kv="full",
+    prefill_chunk=None,
+):
     """Tokens/s of `new_tokens` greedy steps after `context` random prompt tokens per row (the
     compiler starts afresh: every row's step is compiled for its own shapes, once)."""
     torch._dynamo.reset()
-    out = generate(model, _prompts(model, rows, context), new_tokens, compile=compile, eos_token_id=[],
-                   notify=lambda message: None, **options)  # fmt: skip
+    out = generate(model, _prompts(model, rows, context), new_tokens, kv, compile=compile, eos_token_id=[],
+                   notify=lambda message: None, prefill_chunk=prefill_chunk)  # fmt: skip
     moved = step_bytes(model, rows, held if held is not None else context + new_tokens // 2, _kv_dtype(model))
     gbs = moved / (out.ms_per_step / 1000) / 1e9
     return {"what": what, "setting": setting, "batch": rows, "tokens_per_s": round(out.tokens_per_s, 1),
@@ -135,9 +148,8 @@ def _fixed_memory_rows(model, kv_mb: float, prompt: int, new_tokens: int, bandwi
             new_tokens,
             bandwidth,
             held=prompt // 5 if budget else None,
-            policy=policy,
+            kv=KVSpec.of(policy, **budget),
             prefill_chunk=512,
-            **budget,
         )
         fixed.append(row)  # fmt: skip
     return _versus(fixed, fixed[0])
@@ -211,14 +223,13 @@ def bench_gpu(
 
     progress(f"streaming and h2o against dense at a {long_context}-token context")
     chunk = min(2048, long_context)
-    options = {"prefill_chunk": chunk}
     long = [_decode_row(model, "long context", f"full, {long_context}", 1, long_context, new_tokens, bandwidth,
-                        compile=compile, **options)]  # fmt: skip
+                        compile=compile, prefill_chunk=chunk)]  # fmt: skip
     for policy, budget, held in (("streaming", {"budget": 2048}, min(2048, long_context)),
                                  ("h2o", {"heavy": 0.1, "recent": 0.1}, long_context // 5)):  # fmt: skip
         setting = f"{policy}, {held} held of {long_context}"
         long.append(_decode_row(model, "long context", setting, 1, long_context, new_tokens, bandwidth, held=held,
-                                policy=policy, compile=compile, **options, **budget))  # fmt: skip
+                                kv=KVSpec.of(policy, **budget), compile=compile, prefill_chunk=chunk))  # fmt: skip
     rows += _versus(long, long[0])
 
     progress(f"throughput in {kv_mb:.0f} MB of KV")

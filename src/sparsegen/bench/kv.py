@@ -57,10 +57,11 @@ def generate_latency(
 
     from sparsegen.bench.measure import TokenClock, peak_rss_mb
     from sparsegen.kv import make_cache, policy_attention
+    from sparsegen.kv.spec import KVSpec
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, context, device=device)
-    cache = DynamicCache() if cache_size is None else make_cache(model, policy, budget=cache_size)
+    cache = DynamicCache() if cache_size is None else make_cache(model, KVSpec.of(policy, budget=cache_size))
     clock = TokenClock()
     with torch.inference_mode(), policy_attention(model):
         model.generate(
@@ -104,11 +105,12 @@ def _stream_rss_worker(
     """RSS along a long stream through a streaming cache (text repeated as needed)."""
     from sparsegen.bench.measure import current_rss_mb
     from sparsegen.kv import make_cache, policy_attention
+    from sparsegen.kv.spec import KVSpec
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, min(tokens, 400_000), device=device)
     ids = ids[0].repeat((tokens + ids.numel() - 1) // ids.numel())[:tokens]
-    cache = make_cache(model, "streaming", budget=cache_size, sinks=4)
+    cache = make_cache(model, KVSpec.of("streaming", budget=cache_size, sinks=4))
     samples = []
     with torch.inference_mode(), policy_attention(model):
         for start in range(0, tokens, chunk):

@@ -17,6 +17,7 @@ import torch
 from sparsegen.bench.decode import bound_of, fast_decode_worker
 from sparsegen.bench.measure import in_process, read_bandwidth_gbs
 from sparsegen.ioutil import write_json, write_text
+from sparsegen.kv.spec import KVSpec
 from sparsegen.report import markdown_table, run_meta
 
 COLUMNS = [
@@ -73,12 +74,10 @@ def bench_kv_bits(
                     context,
                     new_tokens,
                     "fp32",
-                    policy,
-                    budget_of(policy, cache),
+                    KVSpec.of(policy, kv_bits=bits, **budget_of(policy, cache)),
                     1,
                     threads,
                     device=device,
-                    kv_bits=bits,
                 )
                 rows.append(bound_of({"context": context, "policy": policy, "kv": kv, **result}, bandwidth))
     for row in rows:

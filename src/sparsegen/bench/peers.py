@@ -252,7 +252,7 @@ def _decode_rows(run: _Run, context: int, new_tokens: int, folders: dict[str, Pa
     for round_ in range(1, run.rounds + 1):
         for name, label, options in runs:
             run.progress(f"{label}: batch 1 after {context} tokens (round {round_} of {run.rounds})")
-            worker = (name, run.text, context, new_tokens, "fp32", "full", {}, 1, run.threads)
+            worker = (name, run.text, context, new_tokens, "fp32", "full", 1, run.threads)
             result = in_process(fast_decode_worker, *worker, device=DEVICE, **options)
             measured.setdefault(f"{label}, {context} ctx", []).append(result)
         for label, flash in FLASH.items() if run.llama_cpp else ():

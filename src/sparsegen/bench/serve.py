@@ -19,11 +19,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from sparsegen.bench.measure import rss_mb, weight_bytes
 from sparsegen.errors import SparsegenError
+
+if TYPE_CHECKING:
+    from sparsegen.kv.spec import KVSpec
 
 STARTUP_S = 900  # a cold start compiles the batched step (vLLM its own graph): minutes
 COLUMNS = [
@@ -66,6 +70,13 @@ class ServeConfig:
             raise SparsegenError(f"{spec!r}: the bits after @ are 8, 4, 3 or 2, as in full@4")
         policy, _, budget = setting.partition(":")
         return cls(spec, policy, count_or_share(budget or None), kv_bits=checked_bits(int(bits) if bits else None))
+
+    @property
+    def kv(self) -> KVSpec:
+        """The KV spec the server starts with: its `--policy`, `--budget` and `--kv-bits` options."""
+        from sparsegen.kv.spec import KVSpec
+
+        return KVSpec.of(self.policy, budget=self.budget, kv_bits=self.kv_bits)
 
 
 def configs_to_measure(specs: str, baseline_src: Path | None = None) -> list[ServeConfig]:
@@ -246,11 +257,9 @@ def single_request_answers(model, tokenizer, config: ServeConfig, prompts, max_t
     """What `sparsegen.generate` answers to each prompt alone (greedy, the server's prefill chunk)."""
     from sparsegen.decode import generate
 
-    options = {"compile": "never", "prefill_chunk": chunk, "kv_bits": config.kv_bits}
-    options |= {} if config.budget is None else {"budget": config.budget}
     answers = []
     for ids in prompts:
-        made = generate(model, [ids], max_tokens, config.policy, **options)
+        made = generate(model, [ids], max_tokens, config.kv, compile="never", prefill_chunk=chunk)
         answers.append(tokenizer.decode(made.tokens[0], skip_special_tokens=True))
     return answers
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
 from sparsegen.catalog import catalog
 from sparsegen.errors import SparsegenError
+
+if TYPE_CHECKING:
+    from sparsegen.kv.spec import KVSpec
 
 app = typer.Typer(
     help="Cheaper and longer LLM generation through sparsity.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -56,18 +60,21 @@ ActivationBitsOpt = typer.Option(
 )
 
 
-def policy_budget(
+def kv_spec(
     policy: str,
     budget: int | float | None,
     sinks: int | None = None,
     heavy: int | float | None = None,
     recent: int | float | None = None,
-) -> dict[str, int | float]:
-    """The policy's budget parts from the CLI's options, by the kv rule (`resolve_budget`), before
-    the model loads: conflicting options fail at once, as one line."""
-    from sparsegen.kv.policy import resolve_budget
+    position: str | None = None,
+    kv_bits: int | None = None,
+) -> KVSpec:
+    """The KV spec from the CLI's options, built once before the model loads: a bad policy,
+    conflicting budget options or bits fail at once, as one line."""
+    from sparsegen.kv.spec import KVSpec
 
-    return resolve_budget(policy, None, budget, {"sinks": sinks, "heavy": heavy, "recent": recent})
+    parts = {"sinks": sinks, "heavy": heavy, "recent": recent}  # None: not given
+    return KVSpec.of(policy, budget=budget, position=position, kv_bits=kv_bits, **parts)
 
 
 def reads_from_disk(model: str, from_disk: bool | None) -> bool:

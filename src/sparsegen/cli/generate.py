@@ -22,8 +22,8 @@ from sparsegen.cli.common import (
     SinksOpt,
     app,
     err,
+    kv_spec,
     out,
-    policy_budget,
 )
 from sparsegen.errors import SparsegenError
 
@@ -88,7 +88,7 @@ def generate(
     from sparsegen.loading import load
     from sparsegen.models import dtype_named
 
-    cache_options = dict(position=position, kv_bits=kv_bits, **policy_budget(policy, budget, sinks, heavy, recent))
+    kv = kv_spec(policy, budget, sinks, heavy, recent, position, kv_bits)
     dtype = dtype_named(dtype, "--dtype") if dtype else None
     loaded, tokenizer = load(model, dtype=dtype, device=device, activation_bits=activation_bits)
     if chat:
@@ -102,23 +102,22 @@ def generate(
         from sparsegen.prompt import SoftPrompt
         from sparsegen.prompt.prompted import PromptedModel
 
-        held = [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), policy, **cache_options).cache()]
+        held = [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), kv).cache()]
     from sparsegen.decode import generate as fast_generate
 
     result = fast_generate(
         loaded,
         encoded["input_ids"],
         max_new_tokens,
+        kv,
         held=held,
         tokenizer=tokenizer,  # stops at its EOS and the template's turn tokens
-        policy=policy,
         temperature=temperature,
         top_p=top_p,
         seed=seed,
         compile=compile,
         streamer=TextStreamer(tokenizer, skip_special_tokens=True),
         notify=lambda message: err.print(f"[dim]{message}[/]"),
-        **cache_options,
     )
     err.print(
         f"[dim]{sum(map(len, result.tokens))} tokens, {result.tokens_per_s:.1f} tokens/s decoding ({result.mode})[/]"
@@ -149,30 +148,22 @@ def stream(
     device: str | None = DeviceOpt,
 ) -> None:
     """The main job: KV policies on one long stream past the model's window (table, plot, JSON)."""
-    from sparsegen.eval.main_job import STREAM_COLUMNS, stream_job
+    from sparsegen.eval.main_job import STREAM_COLUMNS, StreamJob, compared_specs, stream_job
     from sparsegen.report import table
 
     if budget is None and sinks is None and recent is None and heavy is None:
         budget = 1024
+    if budget is not None and (heavy is not None or recent is not None):
+        raise SparsegenError("give a total budget (--budget) or its parts (--heavy/--recent), not both")
+    total = budget if budget is not None else sum(part or 0 for part in (sinks, heavy, recent))
+    if not total:
+        raise SparsegenError("give --budget or --sinks/--recent/--heavy")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     widths = [bits.strip() for bits in kv_bits.split(",") if bits.strip()]
     if not all(bits.isdigit() for bits in widths):
         raise SparsegenError(f"--kv-bits takes bit widths separated by commas, such as 8,4; got {kv_bits!r}")
-    results = stream_job(
-        model,
-        text,
-        names,
-        tokens,
-        chunk,
-        out_dir,
-        budget,
-        sinks,
-        recent,
-        heavy,
-        position,
-        device=device,
-        kv_bits=[int(bits) for bits in widths],
-    )
+    specs = compared_specs(names, total, sinks, position, tuple(int(bits) for bits in widths))
+    results = stream_job(StreamJob(model, text, specs, tokens, chunk, device), out_dir)
     import json
 
     rows = json.loads((out_dir / "results.json").read_text())
@@ -203,9 +194,9 @@ def chat(
     from sparsegen.loading import load
     from sparsegen.rss import current_rss_mb
 
-    parts = policy_budget(policy, budget, sinks)
+    kv = kv_spec(policy, budget, sinks, position=position)
     loaded, tokenizer = load(model, device=device)
-    session = StreamingChat(loaded, tokenizer, policy, position=position, max_new_tokens=max_new_tokens, **parts)
+    session = StreamingChat(loaded, tokenizer, kv, max_new_tokens=max_new_tokens)
     if mtbench:
         turns = [turn for question in load_mtbench() for turn in question["turns"]][:mtbench]
     else:
@@ -276,14 +267,12 @@ def serve(
         err.print("answering at once with the eager step; the compiled step is built meanwhile and takes over")
     application = build_app(
         model,
-        policy,
-        policy_budget(policy, count_or_share(budget), sinks),
+        kv_spec(policy, count_or_share(budget), sinks, kv_bits=kv_bits),
         max_kv_bytes=max_kv_mb << 20,
         max_tokens_limit=max_tokens_limit,
         prefill_chunk=prefill_chunk,
         max_queue=max_queue,
         device=device,
-        kv_bits=kv_bits,
         activation_bits=activation_bits,
         compile=compile,
     )

@@ -12,12 +12,14 @@ from sparsegen.decode.generate import token_loop
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
+from sparsegen.kv.spec import KVSpec
 from sparsegen.sampling import StopRule, choose, stop_tokens
 
 
 class StreamingChat:
-    """Decodes each answer through the `Decoder`, continuing the conversation's held cache, as the
-    server's conversations do: between turns `cache` holds the conversation, minus evictions.
+    """Decodes each answer through the `Decoder` under the KV spec `kv`, continuing the
+    conversation's held cache, as the server's conversations do: between turns `cache` holds the
+    conversation, minus evictions.
 
     The chat template is rendered for the whole conversation and only the text past what was
     already read is tokenised; an answer's last token, sampled but not yet read, is read first
@@ -28,14 +30,12 @@ class StreamingChat:
         self,
         model,
         tokenizer,
-        policy: str | Policy = "streaming",
-        position: str | None = None,
+        kv: KVSpec | str | Policy = "streaming",
         max_new_tokens: int = 256,
         temperature: float = 0.0,
-        **budget: int | float,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.decoder = Decoder(model, policy, position=position, compile="never", **budget)
+        self.decoder = Decoder(model, kv, compile="never")
         self.cache: PolicyCache | None = None  # the conversation read so far (none before the first turn)
         self.unfed: list[int] = []
         self.rule = StopRule(

@@ -14,7 +14,7 @@ more than its budget the lowest-priority of them leaves, a context token by clea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from sparsegen.kv.cache import gather_slots
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.slots import EMPTY, HeldSlots
+from sparsegen.kv.spec import policy_step_settings
 
 
 @dataclass
@@ -131,12 +132,12 @@ PER_ROW = ("query", "seen", "weights")
 
 
 def _groups(rules: tuple[Policy | None, ...], device: torch.device) -> list[tuple[Policy, slice | torch.Tensor]]:
-    """The evicting rows by policy (one budget apart: each row's sizes are its own)."""
+    """The evicting rows by the rule for rows of one step (`kv.spec.policy_step_settings`: every
+    setting but the heavy and recent counts, each row's sizes its own)."""
     groups: dict[tuple, list[int]] = {}
     for row, rule in enumerate(rules):
         if rule is not None:
-            settings = tuple((f.name, getattr(rule, f.name)) for f in fields(rule) if f.name not in PARTS)
-            groups.setdefault((type(rule), settings), []).append(row)
+            groups.setdefault(policy_step_settings(rule), []).append(row)
     return [(rules[rows[0]], _rows(rows, device)) for rows in groups.values()]
 
 

@@ -24,9 +24,10 @@ from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, few_row_linears, pack_weights, restore_linears, use_gemv
 from sparsegen.kv.attention import require_policy_attention
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.policy import Policy, make_policy
+from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import read
 from sparsegen.models import model_device
 
@@ -52,6 +53,7 @@ class Decoder:
     (`prefill` then `join`, also from a held cache: a conversation, a soft prompt) and leave
     (`leave`, handing a row's cache back with `hand_back`), which is how the server batches.
 
+    `kv`: the `KVSpec` every row decodes by (a bare policy name: that policy at its defaults).
     `compile`: "auto" decodes eagerly and switches to the compiled step once a generation has run
     `COMPILE_AFTER` steps with at least `COMPILE_PAYS_AFTER` still to come (a short answer never
     waits for a compile), "always", or "never". Compiled code is cached on disk between runs.
@@ -60,8 +62,8 @@ class Decoder:
     Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
     bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
     (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
-    dtype on a GPU; `kv_bits` (8, 4, 3 or 2) holds them rounded instead (`kv.quantized`), prompt and
-    held conversations included. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
+    dtype on a GPU; a `kv` spec with `kv_bits` holds them rounded instead (`kv.quantized`), prompt
+    and held conversations included. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
     and the CPU's few-row product is not used. `rows_vary`: rows join and leave between steps (the
     server); the compiled step is then traced once for one row and once for any other row count and
     slot count (`StaticKV.varying`), so rows joining and leaving never compile it again.
@@ -72,16 +74,14 @@ class Decoder:
     def __init__(
         self,
         model: torch.nn.Module,
-        policy: str | Policy = "full",
-        position: str | None = None,
+        kv: KVSpec | str | Policy = "full",
+        *,
         compile: str = "auto",
         kv_dtype: torch.dtype | None = None,
         notify: Callable[[str], None] = _say_to_stderr,
         prefill_chunk: int | None = None,
-        kv_bits: int | None = None,
         rows_vary: bool = False,
         packed: PackedWeights | None = None,
-        **budget: int | float,
     ) -> None:
         if compile not in COMPILE_MODES:
             raise SparsegenError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
@@ -89,14 +89,12 @@ class Decoder:
             raise SparsegenError(f"prefill_chunk must be >= 1 (or None for one forward), got {prefill_chunk}")
         self.model = model
         self.device = model_device(model)
-        self.policy = make_policy(policy, **budget)
-        self.position = position
+        self.kv = KVSpec.coerce(kv)
         self.compile = compile
         on_cpu = self.device.type == "cpu"
         self.kv_dtype = kv_dtype or (torch.float32 if on_cpu else next(model.parameters()).dtype)
         self.notify = notify
         self.prefill_chunk = prefill_chunk
-        self.kv_bits = kv_bits
         self.rows_vary = rows_vary
         self.state: StaticKV | None = None
         self._eager = DecodeStep(model)
@@ -112,7 +110,7 @@ class Decoder:
     def new_cache(self, prompt_length: int) -> PolicyCache:
         """An empty policy cache for a row whose prompt has `prompt_length` tokens (shares of the
         prompt resolved against it now, so reading it in chunks keeps the same budget)."""
-        return make_cache(self.model, self.policy.resolved(prompt_length), position=self.position, kv_bits=self.kv_bits)
+        return make_cache(self.model, self.kv.resolved(prompt_length))
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], held: list[PolicyCache | None] | None = None):
@@ -172,7 +170,7 @@ class Decoder:
 
     def hand_back(self, row: int) -> PolicyCache:
         """Row `row`'s held tokens as a policy cache of its own, to keep between requests."""
-        cache = make_cache(self.model, self.policy, position=self.position, kv_bits=self.kv_bits)
+        cache = make_cache(self.model, self.kv)
         seen = int(self.state.seen[row])
         dtype = next(self.model.parameters()).dtype
         for layer, slots in zip(cache.layers, self.state.layers, strict=True):

@@ -14,6 +14,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv.spec import KVSpec
 from sparsegen.sampling import StopRule, Verdict, as_token_set, choose, stop_tokens
 
 
@@ -55,8 +56,8 @@ def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor | list[list[int]],
     max_new_tokens: int = 128,
-    policy: str | Policy = "full",
-    position: str | None = None,
+    kv: KVSpec | str | Policy = "full",
+    *,
     attention_mask: torch.Tensor | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -65,16 +66,15 @@ def generate(
     tokenizer=None,
     compile: str = "auto",
     kv_dtype: torch.dtype | None = None,
-    kv_bits: int | None = None,
     streamer=None,
     notify: Callable[[str], None] | None = None,
     decoder: Decoder | None = None,
     prefill_chunk: int | None = None,
     held: list | None = None,
     shared_context: SharedPrefill | None = None,
-    **budget: int | float,
 ) -> Generation:
-    """Generate up to `max_new_tokens` per row on the fast path under a KV policy.
+    """Generate up to `max_new_tokens` per row on the fast path under the KV spec `kv` (a
+    `KVSpec`, or a bare policy name: that policy at its defaults).
 
     `input_ids` is a [b, n] tensor (left- or right-padded, with its `attention_mask`) or a list
     of token lists of any lengths; `held` may give a row a policy cache to continue (a soft
@@ -84,7 +84,7 @@ def generate(
     template's turn tokens (`stop_tokens`), as the CLI and the server stop; the batch
     stops when every row has. Prompts are read `prefill_chunk` tokens per forward (None: one).
     Sampling (temperature > 0, top-p) draws each row from its own generator seeded `seed`.
-    `kv_bits` (8, 4, 3 or 2) holds keys and values in that many bits (`kv.quantized`; None: `kv_dtype`).
+    A spec's `kv_bits` holds keys and values in that many bits (`kv.quantized`; None: `kv_dtype`).
     `streamer` (a transformers streamer, batch 1) receives tokens as they come; `notify` gets the
     one-line notes on compiling (default: stderr). A `decoder` may be passed to reuse its compiled step.
     """
@@ -96,17 +96,7 @@ def generate(
     own_decoder = decoder is None
     if own_decoder:
         options = {"notify": notify} if notify is not None else {}
-        decoder = Decoder(
-            model,
-            policy,
-            position=position,
-            compile=compile,
-            kv_dtype=kv_dtype,
-            kv_bits=kv_bits,
-            prefill_chunk=prefill_chunk,
-            **options,
-            **budget,
-        )
+        decoder = Decoder(model, kv, compile=compile, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, **options)
     generators = None
     if temperature > 0:
         generators = [torch.Generator().manual_seed(seed if seed is not None else torch.seed()) for _ in prompts]

@@ -18,6 +18,7 @@ from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.kernels import kernels_available, reads_bytes
 from sparsegen.kv.policy import PARTS, Policy, Sizes
 from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer
+from sparsegen.kv.spec import policy_step_settings
 from sparsegen.kv.window import WindowPolicy
 
 
@@ -97,6 +98,11 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
     codec = parts[0].codec
     if any(part.codec != codec for part in parts):
         raise SparsegenError("rows of one batch must hold their KV in the same number of bits (kv_bits)")
+    if bounded and parts[0].evicting and len({policy_step_settings(part.policy) for part in parts}) > 1:
+        raise SparsegenError(
+            "rows evicting in one batch must share their policy and its settings but heavy and recent "
+            "(KVSpec.step_key): decode the others apart"
+        )
     rows = sum(part.keys.shape[0] for part in parts)
     h, device = parts[0].keys.shape[1], parts[0].keys.device
     dtype = kv_dtype if codec is None else torch.uint8

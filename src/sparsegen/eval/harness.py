@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.policy import resolve_budget
+from sparsegen.kv.spec import KVSpec
 
 
 @register_model("sparsegen")
@@ -60,7 +61,7 @@ class SparsegenLM(HFLM):
         if chunk is not None and chunk < 1:
             raise SparsegenError(f"chunk must be >= 1, got {chunk}")
         parts = {k: v for k, v in (("sinks", sinks), ("heavy", heavy), ("recent", recent)) if v is not None}
-        resolve_budget(policy, None, budget, parts)  # an unknown policy or conflicting parts fail now
+        self.kv = KVSpec.of(policy, budget=budget, position=position, **parts)  # bad settings fail now, as one line
         if loaded is None:
             loaded = load(model, dtype=dtype_named(dtype) if dtype else None, device=kwargs.get("device"))
         network, tokenizer = loaded
@@ -88,17 +89,27 @@ class SparsegenLM(HFLM):
 
     said_sinks_lowered = False
 
+    @classmethod
+    def over(cls, loaded: tuple, kv: KVSpec, **options) -> SparsegenLM:
+        """A model scoring each request through the built spec `kv`: its budget parts (counts, or
+        shares each resolved against the request's context) and position; KV in full precision."""
+        if kv.kv_bits is not None:
+            raise SparsegenError("zero-shot scoring holds the KV in full precision; drop kv_bits")
+        parts = {part: getattr(kv.policy, part) for part in kv.policy.budget_parts()}
+        return cls(loaded=loaded, policy=kv.name, position=kv.position, **parts, **options)
+
     @property
     def uses_policy(self) -> bool:
         return self.policy != "full"
 
     def settings(self) -> dict:
-        """What this model scores with, recorded beside its results."""
+        """What this model scores with, recorded beside its results (`kv`: `KVSpec.from_dict` reads it)."""
         return {
             "policy": self.policy,
             "budget": self.budget,
             **self.parts,
             "position": self.position,
+            "kv": self.kv.to_dict(),
             "chunk": self.chunk,
             **({"prompt": self.prompt or f"{self.soft_prompt.tokens} virtual tokens"} if self.soft_prompt else {}),
         }
@@ -123,7 +134,7 @@ class SparsegenLM(HFLM):
                 f"a request's budget); longer requests keep {asked}",
                 file=sys.stderr,
             )
-        return make_cache(self.model, self.policy, position=self.position, **counts)
+        return make_cache(self.model, KVSpec.of(self.policy, position=self.position, **counts))
 
     @torch.inference_mode()
     def policy_logits(self, tokens: list[int], read: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,8 +15,8 @@ from sparsegen.errors import SparsegenError
 from sparsegen.eval.stream_ppl import PolicyRun, StreamResult, stream_compare
 from sparsegen.ioutil import write_json
 from sparsegen.kv import POLICIES
-from sparsegen.kv.policy import resolve_budget
 from sparsegen.kv.quantized import checked_bits
+from sparsegen.kv.spec import KVSpec
 from sparsegen.loading import load
 from sparsegen.report import plot_lines, running_mean
 
@@ -34,70 +35,66 @@ STREAM_COLUMNS = [
 ]
 
 
-def policy_runs(
-    policies: list[str],
-    budget: int | None,
-    sinks: int | None,
-    recent: int | None,
-    heavy: int | None,
-    position: str | None,
-    model_window: int,
-) -> list[PolicyRun]:
-    """One PolicyRun per policy name, all at the same total: `budget`, else the sum of the parts
-    given, split by each policy as the kv rule says (`resolve_budget`). `sinks` go to the
-    policies that keep sinks: one comparison runs them beside policies that keep none."""
-    total = budget if budget is not None else sum(part or 0 for part in (sinks, heavy, recent))
-    if not total:
-        raise SparsegenError("give --budget or --sinks/--recent/--heavy")
-    conflicting = {} if budget is None else {"heavy": heavy, "recent": recent}  # refused beside a total
-    runs = []
-    for name in policies:
+@dataclass(frozen=True)
+class StreamJob:
+    """What the main job compares: `model` reads `text` for `tokens` tokens, `chunk` at a time,
+    under each of `specs` (`compared_specs`), on `device`. A second run of the same job resumes."""
+
+    model: str
+    text: str
+    specs: tuple[KVSpec, ...]
+    tokens: int = 20000
+    chunk: int = 256
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.specs or self.specs[0].name != "full":
+            raise SparsegenError("the main job's specs start with full, its reference (compared_specs)")
+
+
+def compared_specs(
+    policies: list[str], total: int, sinks: int | None = None, position: str | None = None, bits: tuple[int, ...] = ()
+) -> tuple[KVSpec, ...]:
+    """The specs one comparison runs: `full` first (the reference), then every policy at the same
+    `total` budget, split by each as the kv rule says; `sinks` go to the policies that keep sinks
+    (one comparison runs them beside policies that keep none). Each of `bits` adds every bounded
+    policy again with its KV held in those bits."""
+    names = ["full", *(name for name in policies if name != "full")]
+    specs = []
+    for name in names:
         if POLICIES.named(name).prefill_only:
             raise SparsegenError(
                 f"{name} compresses a prompt once and then keeps every token, so it cannot bound a stream; "
                 "compare it with `sparsegen eval needle` or `eval zeroshot`"
             )
         if name == "full":
-            runs.append(
-                PolicyRun(
-                    "full", "full", max_tokens=model_window, note=f"stops at the model's {model_window}-token window"
-                )
-            )
+            specs.append(KVSpec.of("full"))
             continue
-        given = {**conflicting, "sinks": sinks if "sinks" in POLICIES[name].budget_parts() else None}
-        runs.append(PolicyRun(name, name, position=position, budget=resolve_budget(name, None, total, given)))
+        kept = sinks if "sinks" in POLICIES[name].budget_parts() else None
+        specs.append(KVSpec.of(name, budget=total, sinks=kept, position=position))
+    bounded = [spec for spec in specs if spec.name != "full"]
+    return (*specs, *(dataclasses.replace(spec, kv_bits=checked_bits(b)) for b in bits for spec in bounded))
+
+
+def _runs(specs: tuple[KVSpec, ...], model_window: int) -> list[PolicyRun]:
+    """A run per spec, labelled by its policy (and bits); full stops at the model's window."""
+    runs = []
+    for spec in specs:
+        label = spec.name if spec.kv_bits is None else f"{spec.name}-int{spec.kv_bits}"
+        if spec.name == "full":
+            note = f"stops at the model's {model_window}-token window"
+            runs.append(PolicyRun(label, spec, max_tokens=model_window, note=note))
+        else:
+            runs.append(PolicyRun(label, spec))
     return runs
 
 
-def stream_job(
-    model_name: str,
-    text: str,
-    policies: list[str],
-    tokens: int,
-    chunk: int,
-    out: Path,
-    budget: int | None = None,
-    sinks: int | None = None,
-    recent: int | None = None,
-    heavy: int | None = None,
-    position: str | None = None,
-    progress: bool = True,
-    device: str | None = None,
-    kv_bits: list[int] | tuple[int, ...] = (),
-) -> dict[str, StreamResult]:
-    """Run the comparison, write results.json, NLL files and the plot into `out`; return results.
-    Each bit width in `kv_bits` adds a run of every bounded policy with its KV held in those bits."""
-    model, tokenizer = load(model_name, device=device)
+def stream_job(job: StreamJob, out: Path, progress: bool = True) -> dict[str, StreamResult]:
+    """Run the comparison, write results.json, NLL files and the plot into `out`; return results."""
+    model_name, text, tokens, chunk = job.model, job.text, job.tokens, job.chunk
+    model, tokenizer = load(model_name, device=job.device)
     model_window = model.config.get_text_config().max_position_embeddings
-    if "full" not in policies:  # the reference for fidelity, always run within the model's window
-        policies = ["full", *policies]
-    runs = policy_runs(policies, budget, sinks, recent, heavy, position, model_window)
-    runs += [
-        dataclasses.replace(run, label=f"{run.label}-int{bits}", kv_bits=checked_bits(bits))
-        for bits in kv_bits
-        for run in runs
-        if run.policy != "full"
-    ]
+    runs = _runs(job.specs, model_window)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)
     if ids.numel() < tokens:
         raise SparsegenError(f"the text has only {ids.numel()} tokens, fewer than --tokens {tokens}")

@@ -21,6 +21,7 @@ import torch
 
 from sparsegen.data import tokenize_long
 from sparsegen.ioutil import write_json
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import read
 
 NEEDLE = " The secret passkey is {key}. Remember it: the secret passkey is {key}. "
@@ -50,10 +51,37 @@ def retrieve(model, tokenizer, context: list[int], question: list[int], cache, c
     from sparsegen.decode import generate
 
     read(model, context, cache, chunk)
-    made = generate(
-        model, [question], answer_tokens, cache.policy, position=cache.position, compile="never", held=[cache]
-    )
+    made = generate(model, [question], answer_tokens, cache.spec, compile="never", held=[cache])
     return tokenizer.decode(made.tokens[0], skip_special_tokens=True)
+
+
+def _trials(tokenizer, filler: str, length: int, trials: int, seed: int) -> tuple[torch.Tensor, list, list]:
+    """The filler's ids and each trial's seeded offset into it and passkey."""
+    rng = random.Random(seed)
+    filler_ids = tokenize_long(tokenizer, filler)
+    offsets = [rng.randrange(0, filler_ids.numel() - length) for _ in range(trials)]
+    keys = [f"{rng.randrange(10000, 100000)}" for _ in range(trials)]
+    return filler_ids, offsets, keys
+
+
+def accuracy(model, tokenizer, trials: tuple, kv: KVSpec, depth: float, length: int, chunk: int | None) -> float:
+    """The share of `trials` (`_trials`) whose passkey at `depth` is retrieved under the KV spec `kv`."""
+    from sparsegen.kv import make_cache
+
+    filler_ids, offsets, keys = trials
+    hits = 0
+    for offset, key in zip(offsets, keys, strict=True):
+        context, question = build_prompt(tokenizer, filler_ids[offset:], length, depth, key)
+        hits += key in retrieve(model, tokenizer, context, question, make_cache(model, kv), chunk)
+    return hits / len(keys)
+
+
+def spec_accuracy(
+    model, tokenizer, filler: str, kv: KVSpec, depths: list[float], length: int, trials: int, seed: int = 0
+) -> float:
+    """The mean accuracy over `depths` under one KV spec (a sweep's cell), the trials `needle_job`'s."""
+    drawn = _trials(tokenizer, filler, length, trials, seed)
+    return sum(accuracy(model, tokenizer, drawn, kv, depth, length, None) for depth in depths) / len(depths)
 
 
 def needle_job(
@@ -71,29 +99,22 @@ def needle_job(
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[dict]:
     """Accuracy per (policy, budget, depth), resuming from `out/needle.json`; `full` runs once."""
-    from sparsegen.kv import make_cache
-
     path = out / "needle.json"
     settings = {"length": length, "trials": trials, "chunk": chunk, "seed": seed}
     saved = json.loads(path.read_text()) if path.exists() else {}
     rows = saved.get("rows", []) if saved.get("settings") == settings else []
     done = {(r["policy"], r["budget"], r["depth"]) for r in rows}
-    rng = random.Random(seed)
-    filler_ids = tokenize_long(tokenizer, filler)
-    offsets = [rng.randrange(0, filler_ids.numel() - length) for _ in range(trials)]
-    keys = [f"{rng.randrange(10000, 100000)}" for _ in range(trials)]
+    drawn = _trials(tokenizer, filler, length, trials, seed)
     cells = [NeedleCell("full", None, d) for d in depths]
     cells += [NeedleCell(p, b, d) for p in policies if p != "full" for b in budgets for d in depths]
     for number, cell in enumerate(cells, 1):
         if (cell.policy, cell.budget, cell.depth) in done:
             continue
         progress(f"[{number}/{len(cells)}] {cell.policy} budget={cell.budget} depth={cell.depth:.2f}")
-        hits = 0
-        for offset, key in zip(offsets, keys, strict=True):
-            context, question = build_prompt(tokenizer, filler_ids[offset:], length, cell.depth, key)
-            cache = make_cache(model, cell.policy, **({"budget": cell.budget} if cell.budget else {}))
-            hits += key in retrieve(model, tokenizer, context, question, cache, chunk)
-        rows.append({**asdict(cell), "accuracy": hits / trials, "trials": trials})
+        share = accuracy(
+            model, tokenizer, drawn, KVSpec.of(cell.policy, budget=cell.budget or None), cell.depth, length, chunk
+        )
+        rows.append({**asdict(cell), "accuracy": share, "trials": trials})
         write_json(path, {"settings": settings, "rows": rows})
     return rows
 

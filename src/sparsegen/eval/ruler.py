@@ -23,6 +23,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.eval.ruler_data import RulerSample, make_samples, task_table
 from sparsegen.ioutil import write_json
 from sparsegen.kv.quantized import checked_bits
+from sparsegen.kv.spec import KVSpec
 
 PROTOCOLS = ("query-agnostic", "query-aware")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)
@@ -80,11 +81,11 @@ def _cells(settings: RulerSettings) -> list[tuple[str, float]]:
     return [("full", 0.0)] + [(p, r) for p in settings.policies if p != "full" for r in settings.ratios]
 
 
-def _read_alone(model, context: list[int], policy, kv_bits: int | None):
+def _read_alone(model, context: list[int], kv: KVSpec):
     from sparsegen.kv import make_cache
     from sparsegen.kv.stream import read
 
-    cache = make_cache(model, policy.resolved(len(context)), kv_bits=kv_bits)
+    cache = make_cache(model, kv.resolved(len(context)))
     read(model, context, cache)
     return cache
 
@@ -94,23 +95,23 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
     precision, keys at original positions or rolling only the sinks: `decode.context`) in one
     batch, each row evicting by its own policy; another at rolling positions in its own (its
     ratios as rows). Held in `kv_bits`, the cells that keep each new token share one batch
-    (decoding consults no policy), each evicting policy its own. Separate runs
-    (`separate_prefill`) decode every cell alone, as a run per cell would."""
+    (decoding consults no policy), each evicting policy the cells whose specs share a step
+    (`KVSpec.step_key`). Separate runs (`separate_prefill`) decode every cell alone, as a run per
+    cell would."""
     from sparsegen.decode.handover import reads_shared_context
-    from sparsegen.kv import make_policy
 
-    groups: dict[str, list[dict]] = defaultdict(list)
+    groups: dict[object, list[dict]] = defaultdict(list)
     for name, ratio in cells:
         budget = kept_tokens(context_length, ratio) if ratio else None
         extra = {"heads": settings.duo_heads} if name == "duo_attention" and settings.duo_heads else {}
-        policy = make_policy(name, budget=budget, **extra)
-        keeps_new = name == "full" or type(policy).prefill_only
+        kv = KVSpec.of(name, budget=budget, kv_bits=settings.kv_bits, **extra)
+        keeps_new = name == "full" or type(kv.policy).prefill_only
         reads_context = reads_shared_context(
-            policy, rolled=policy.default_position != "original", quantized=settings.kv_bits is not None
+            kv.policy, rolled=kv.placement != "original", quantized=kv.kv_bits is not None
         )
-        key = "keeps every new token" if keeps_new else name
+        key = "keeps every new token" if keeps_new else kv.step_key()
         key = (name, ratio) if settings.separate_prefill else "reads the context" if reads_context else key
-        groups[key].append({"name": name, "ratio": ratio, "budget": budget, "policy": policy})
+        groups[key].append({"name": name, "ratio": ratio, "budget": budget, "kv": kv})
     return list(groups.values())
 
 
@@ -131,21 +132,18 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
     for group in _decode_groups(_cells(settings), len(context), settings):
         began = time.perf_counter()
         caches = [
-            _read_alone(model, context, cell["policy"], settings.kv_bits)
-            if shared is None
-            else shared.cache_for(cell["policy"], kv_bits=settings.kv_bits)
+            _read_alone(model, context, cell["kv"]) if shared is None else shared.cache_for(cell["kv"])
             for cell in group
         ]
         made = generate(
             model,
             [question] * len(group),
             setting["tokens_to_generate"],
-            group[0]["policy"],
+            group[0]["kv"],
             compile="never",
             tokenizer=tokenizer,
             held=caches,
             shared_context=shared,
-            kv_bits=settings.kv_bits,
         )
         seconds = time.perf_counter() - began
         for cell, tokens in zip(group, made.tokens, strict=True):
@@ -159,7 +157,8 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
                     "policy": cell["name"],
                     "ratio": cell["ratio"],
                     "budget": cell["budget"],
-                    "setting": cell["policy"].describe(),
+                    "setting": cell["kv"].policy.describe(),
+                    "kv": cell["kv"].to_dict(),
                     "protocol": settings.protocol,
                     "kv_bits": settings.kv_bits,
                     "context_tokens": len(context),

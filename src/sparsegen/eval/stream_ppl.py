@@ -21,6 +21,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import save_torch
 from sparsegen.kv import Policy, PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 
 RECOMPUTE = "recompute"
 
@@ -29,20 +30,20 @@ RECOMPUTE = "recompute"
 class PolicyRun:
     """One configuration under evaluation.
 
-    `policy` is a KV policy name or instance, or "recompute": the sliding window with
-    re-computation baseline, where every token re-encodes its last `window` tokens from scratch.
-    `max_tokens` stops this run early (the full cache stops at the model's pretrained window).
-    `kv_bits` holds the cache's keys and values in that many bits (`kv.quantized`).
+    `kv` is the KV spec the stream is read under (a bare policy name: that policy at its
+    defaults), or None for the sliding window with re-computation baseline (`RECOMPUTE`), where
+    every token re-encodes its last `window` tokens from scratch. `max_tokens` stops this run
+    early (the full cache stops at the model's pretrained window).
     """
 
     label: str
-    policy: str | Policy
-    position: str | None = None
-    budget: dict = field(default_factory=dict)
+    kv: KVSpec | str | None
     max_tokens: int | None = None
     window: int = 0
     note: str = ""
-    kv_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        self.kv = None if self.kv is None else KVSpec.coerce(self.kv)
 
 
 @dataclass
@@ -62,6 +63,8 @@ class StreamResult:
     fidelity_tokens: int = 0
     note: str = ""
     nll_file: str | None = None
+    kv: dict | None = None
+    """The run's KV spec as `KVSpec.to_dict` records it (None: the recompute baseline)."""
     nll: list[float] = field(default_factory=list, repr=False)
 
     def ppl_between(self, start: int, stop: int | None = None) -> float:
@@ -80,12 +83,12 @@ class _Runner:
 
     def __init__(self, model, run: PolicyRun) -> None:
         self.run = run
-        self.recompute = run.policy == RECOMPUTE
+        self.recompute = run.kv is None
         if self.recompute and run.window < 1:
             raise SparsegenError("the recompute baseline needs window >= 1")
         self.cache: PolicyCache | None = None
         if not self.recompute:
-            self.cache = make_cache(model, run.policy, position=run.position, kv_bits=run.kv_bits, **run.budget)
+            self.cache = make_cache(model, run.kv)
         self.nll: list[float] = []
         self.seconds = 0.0
         self.kv_bytes = 0
@@ -162,6 +165,7 @@ class _Runner:
             fidelity_tokens=self.compared,
             note=self.run.note,
             nll_file=nll_file,
+            kv=None if self.recompute else self.run.kv.to_dict(),
             nll=nll,
         )
 
@@ -224,7 +228,7 @@ def _recompute_logits(model, ids: torch.Tensor, start: int, n: int, window: int,
 
 def _fingerprint(ids: torch.Tensor, runs: list[PolicyRun], chunk: int) -> str:
     digest = hashlib.sha256(ids.numpy().tobytes())
-    settings = [(r.label, str(r.policy), r.position, r.budget, r.max_tokens, r.window, r.kv_bits) for r in runs]
+    settings = [(r.label, r.kv and r.kv.to_dict(), r.max_tokens, r.window) for r in runs]
     digest.update(repr(settings).encode())
     digest.update(str(chunk).encode())
     return digest.hexdigest()
@@ -312,18 +316,15 @@ def stream_compare(
 def stream_ppl(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    policy: str | Policy = "streaming",
-    position: str | None = None,
+    kv: KVSpec | str | Policy = "streaming",
     chunk: int = 1,
     out_dir: str | Path | None = None,
     window: int = 1024,
     progress: bool = True,
-    **budget: int | float,
 ) -> StreamResult:
-    """Streaming perplexity of one policy over `input_ids` (1-D), fed `chunk` tokens at a time."""
-    run = PolicyRun(
-        label=policy if isinstance(policy, str) else policy.name, policy=policy, position=position, budget=budget
-    )
+    """Streaming perplexity under the KV spec `kv` over `input_ids` (1-D), fed `chunk` tokens at a time."""
+    kv = KVSpec.coerce(kv)
+    run = PolicyRun(label=kv.name, kv=kv)
     return stream_compare(model, input_ids, [run], chunk=chunk, out_dir=out_dir, window=window, progress=progress)[
         run.label
     ]
@@ -331,5 +332,5 @@ def stream_ppl(
 
 def recompute_nll(model: torch.nn.Module, input_ids: torch.Tensor, window: int, chunk: int = 64) -> list[float]:
     """Per-token NLL of the sliding window with re-computation baseline (each token re-encodes its window)."""
-    run = PolicyRun(label=RECOMPUTE, policy=RECOMPUTE, window=window)
+    run = PolicyRun(label=RECOMPUTE, kv=None, window=window)
     return stream_compare(model, input_ids, [run], chunk=chunk, progress=False)[RECOMPUTE].nll

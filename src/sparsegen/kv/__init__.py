@@ -1,7 +1,7 @@
 """KV-cache sparsity: policies that bound the cache, as a drop-in for `model.generate()`.
 
 with policy_attention(model):  # sparsegen's attention for the block, the model's own after it
-    cache = make_cache(model, "streaming", sinks=4, recent=252)
+    cache = make_cache(model, KVSpec.of("streaming", sinks=4, recent=252))
     model.generate(input_ids, cache=cache, max_new_tokens=2000)
 """
 
@@ -13,6 +13,7 @@ from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import POLICIES, Policy, Sizes, Step, make_policy, register_policy, resolve_budget
 from sparsegen.kv.policy_cache import PolicyCache
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import StreamStep, stream
 
 # Every module of this package is imported, so a policy registers itself by existing as a file.
@@ -21,6 +22,7 @@ for _module in pkgutil.iter_modules(__path__):
 
 __all__ = [
     "POLICIES",
+    "KVSpec",
     "Policy",
     "PolicyCache",
     "PolicyLayer",

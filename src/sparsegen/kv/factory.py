@@ -12,8 +12,7 @@ from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.quantized import codec_for
 from sparsegen.kv.rope import KeyRotation
-
-POSITIONS = ("original", "rolling")
+from sparsegen.kv.spec import KVSpec
 
 
 def _layer_types(config) -> list[str]:
@@ -24,38 +23,27 @@ def _layer_types(config) -> list[str]:
 
 def make_cache(
     model: torch.nn.Module,
-    policy: str | Policy = "streaming",
-    position: str | None = None,
-    budget: int | None = None,
+    kv: KVSpec | str | Policy = "streaming",
+    *,
     pinned: int = 0,
     layer_class: type[PolicyLayer] = PolicyLayer,
-    kv_bits: int | None = None,
-    kv_rotated: bool = True,
-    **parts: int | float,
 ) -> PolicyCache:
     """A `Cache` for `model.generate(..., cache=cache)` that applies a KV policy.
 
-    `policy` is a registered name (`full`, `window`, `streaming`, `h2o`, `streaming_h2o`) with its
-    budget as `budget=` (a total, split as the policy needs) or as parts (`sinks=`, `heavy=`,
-    `recent=`; ints are counts, floats < 1 ratios of the prompt). `position` is "original" (keys
-    keep their position in the text) or "rolling" (positions within the cache, as StreamingLLM);
-    the default is the policy's. The first `pinned` tokens (a soft prompt read before the text) are
-    never evicted and come on top of the budget. `layer_class` is the class of the policy layers
-    (`kv.shared` records the prefill with its own).
-    `kv_bits` (8, 4, 3 or 2; rotated unless `kv_rotated=False`) holds the policy layers'
-    keys and values rounded to that many bits (`kv.quantized`); None keeps the model's numbers.
-    Full-attention layers get the policy; sliding-window layers (Gemma 3) keep their own window.
+    `kv` is a `KVSpec` (`KVSpec.of("h2o", budget=128, kv_bits=4)`: the policy with its budget, the
+    keys' positions, the KV's bits), or a bare policy name (`full`, `window`, `streaming`, `h2o`,
+    ...) or `Policy`, meaning that policy at its defaults. The first `pinned` tokens (a soft prompt
+    read before the text) are never evicted and come on top of the budget. `layer_class` is the
+    class of the policy layers (`kv.shared` records the prefill with its own). Full-attention
+    layers get the policy; sliding-window layers (Gemma 3) keep their own window.
     The cache evicts only while the model runs inside
     `with sparsegen.kv.policy_attention(model):` (sparsegen's attention hands each layer its
     attention); outside it the cache refuses its second update with a one-line error.
     """
-    from sparsegen.kv.policy import make_policy
     from sparsegen.kv.rope import find_inv_freq
 
-    policy = make_policy(policy, budget=budget, **parts)
-    position = position or policy.default_position
-    if position not in POSITIONS:
-        raise SparsegenError(f"position must be one of {POSITIONS}, got {position!r}")
+    kv = KVSpec.coerce(kv)
+    policy, position = kv.policy, kv.placement
     check_supported(model)
     config = model.config.get_text_config(decoder=True)
     inv_freq = find_inv_freq(model)
@@ -69,7 +57,7 @@ def make_cache(
         raise SparsegenError(f"rolling positions need position-independent RoPE frequencies, not {rope_type!r}")
     rope = KeyRotation(inv_freq)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    codec = codec_for(kv_bits, head_dim, kv_rotated)
+    codec = codec_for(kv.kv_bits, head_dim, kv.kv_rotated)
     rotation = rope if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
     types = _layer_types(model.config)
@@ -86,4 +74,4 @@ def make_cache(
             raise SparsegenError(f"layer type {layer_type!r} is not supported by KV policies")
     if not any(isinstance(layer, PolicyLayer) for layer in layers):
         raise SparsegenError("the model has no full-attention layer for a KV policy to apply to")
-    return PolicyCache(layers, policy, position, kv_bits)
+    return PolicyCache(layers, policy, position, kv.kv_bits)

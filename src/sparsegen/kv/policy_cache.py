@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import Policy, Sizes
+from sparsegen.kv.spec import KVSpec
 
 
 class PolicyCache(Cache):
@@ -22,6 +23,11 @@ class PolicyCache(Cache):
         self.policy = policy
         self.position = position
         self.kv_bits = kv_bits
+
+    @property
+    def spec(self) -> KVSpec:
+        """The KV spec this cache holds its tokens by (its position as resolved)."""
+        return KVSpec(self.policy, self.position, self.kv_bits)
 
     def physical_length(self) -> int | list[int]:
         """Tokens actually held: one int if all layers agree, else one per layer."""

@@ -22,6 +22,7 @@ from sparsegen.kv.forward import as_given, read_rows, token_rows
 from sparsegen.kv.kvzip import attention_and_peaks, reconstruct
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
+from sparsegen.kv.spec import KVSpec
 
 
 @dataclass
@@ -74,9 +75,9 @@ class SharedPrefill:
         self._reconstructions: dict[tuple, list] = {}
 
     @torch.inference_mode()
-    def cache_for(self, policy: Policy, position: str | None = None, kv_bits: int | None = None) -> PolicyCache:
-        """A new cache, as `read(model, ids, make_cache(model, policy, position, kv_bits=...))` leaves it."""
-        cache = make_cache(self.model, policy.resolved(self.length), position=position, kv_bits=kv_bits)
+    def cache_for(self, kv: KVSpec | Policy) -> PolicyCache:
+        """A new cache, as `read(model, ids, make_cache(model, kv))` leaves it."""
+        cache = make_cache(self.model, KVSpec.coerce(kv).resolved(self.length))
         self.replay_into(cache)
         return cache
 

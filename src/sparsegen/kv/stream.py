@@ -19,6 +19,7 @@ from sparsegen.kv.forward import as_given, read_rows, token_rows
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv.spec import KVSpec
 from sparsegen.models import decoder_layers
 
 
@@ -145,22 +146,20 @@ def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logi
 def stream(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    policy: str | Policy = "streaming",
-    position: str | None = None,
+    kv: KVSpec | str | Policy = "streaming",
     chunk: int = 1,
     cache: PolicyCache | None = None,
-    **budget: int | float,
 ) -> Iterator[StreamStep]:
     """Feed `input_ids` [b, n] (or [n]) `chunk` tokens at a time, yielding each forward's tokens
     and logits. Pass `cache` to continue an earlier stream (the next part of a long text);
-    otherwise one is made from `policy`, `position` and the budget keywords. To generate after
+    otherwise one is made from the KV spec `kv` (or a bare policy name). To generate after
     the text, hand the cache to `sparsegen.generate(..., held=[cache])`: the one token loop."""
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     if cache is None:
-        cache = make_cache(model, policy, position=position, **budget)
+        cache = make_cache(model, kv)
     device = next(model.parameters()).device
     with policy_attention(model):  # held while the caller iterates; undone when the stream ends or is closed
         for start in range(0, input_ids.shape[1], chunk):

@@ -16,15 +16,16 @@ from torch import nn
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy_cache import PolicyCache
+from sparsegen.kv.spec import KVSpec
 from sparsegen.prompt.soft import SoftPrompt
 
 
 class PromptedModel:
-    """A model with a soft prompt read once into a KV cache under `policy` and its budget."""
+    """A model with a soft prompt read once into a KV cache under the KV spec `kv`."""
 
-    def __init__(self, model: nn.Module, prompt: SoftPrompt, policy: str = "full", **cache_options) -> None:
+    def __init__(self, model: nn.Module, prompt: SoftPrompt, kv: KVSpec | str = "full") -> None:
         prompt.check_fits(model)
-        self.model, self.prompt, self.policy, self.cache_options = model, prompt, policy, cache_options
+        self.model, self.prompt, self.kv = model, prompt, KVSpec.coerce(kv)
         cache = self._empty_cache()
         with torch.no_grad(), policy_attention(model):
             embeds = prompt.embeddings.to(model.dtype)[None]
@@ -32,7 +33,7 @@ class PromptedModel:
         self._prefix_state = cache.state_dict()
 
     def _empty_cache(self) -> PolicyCache:
-        return make_cache(self.model, self.policy, pinned=self.prompt.tokens, **self.cache_options)
+        return make_cache(self.model, self.kv, pinned=self.prompt.tokens)
 
     def cache(self) -> PolicyCache:
         """A fresh cache holding the prompt's KV (a copy; the stored prefix is never changed)."""
@@ -49,13 +50,5 @@ class PromptedModel:
         from sparsegen.decode import generate
 
         cache = self.cache()
-        made = generate(
-            self.model,
-            input_ids.tolist(),
-            max_new_tokens,
-            cache.policy,
-            position=cache.position,
-            held=[cache],
-            **options,
-        )
+        made = generate(self.model, input_ids.tolist(), max_new_tokens, cache.spec, held=[cache], **options)
         return torch.cat([input_ids, torch.tensor(made.tokens, dtype=input_ids.dtype, device=input_ids.device)], dim=1)

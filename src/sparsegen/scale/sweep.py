@@ -23,9 +23,13 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import write_json
+
+if TYPE_CHECKING:
+    from sparsegen.kv.spec import KVSpec
 
 EVALUATIONS: dict[str, Callable[..., dict]] = {}
 USES_KV = {"stream_ppl", "needle", "zeroshot"}
@@ -65,6 +69,13 @@ class Cell:
         }
 
     @property
+    def spec(self) -> KVSpec | None:
+        """The cell's KV spec, read from its grid entry (None for an evaluation that ignores the KV)."""
+        from sparsegen.kv.spec import KVSpec
+
+        return KVSpec.of(**self.kv) if self.kv else None
+
+    @property
     def label(self) -> str:
         return " | ".join(self.columns.values())
 
@@ -82,6 +93,8 @@ def cells_of(grid: dict) -> list[Cell]:
     ):
         policies = grid.get("kv", [{"policy": "full"}]) if evaluation_["kind"] in USES_KV else [{}]
         cells += [Cell(prune, quantize, kv, evaluation_) for kv in policies]
+    for cell in cells:  # a bad KV entry fails before any cell runs, as one line
+        cell.spec  # noqa: B018
     return cells
 
 
@@ -106,11 +119,11 @@ def run_cell(model: str, calibration: dict, cell: Cell, threads: int = 1, device
     if cell.quantize:
         quantize(loaded, calibration=ids, progress=False, **cell.quantize)
     params = {k: v for k, v in cell.evaluation.items() if k != "kind"}
-    return EVALUATIONS[cell.evaluation["kind"]](loaded, tokenizer, dict(cell.kv), **params)
+    return EVALUATIONS[cell.evaluation["kind"]](loaded, tokenizer, cell.spec, **params)
 
 
 @evaluation("ppl")
-def _windowed(model, tokenizer, kv, text="milton", seqlen=512, max_windows=4) -> dict:
+def _windowed(model, tokenizer, kv: KVSpec | None, text="milton", seqlen=512, max_windows=4) -> dict:
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.eval.perplexity import windowed_ppl
 
@@ -119,40 +132,31 @@ def _windowed(model, tokenizer, kv, text="milton", seqlen=512, max_windows=4) ->
 
 
 @evaluation("stream_ppl")
-def _streaming(model, tokenizer, kv, text="milton", tokens=2048, chunk=16) -> dict:
+def _streaming(model, tokenizer, kv: KVSpec, text="milton", tokens=2048, chunk=16) -> dict:
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.eval.stream_ppl import stream_ppl
 
     ids = tokenize_long(tokenizer, load_text(text))[:tokens]
-    policy, position = kv.pop("policy", "full"), kv.pop("position", None)
-    result = stream_ppl(model, ids, policy, position, chunk=chunk, progress=False, **kv)
+    result = stream_ppl(model, ids, kv, chunk=chunk, progress=False)
     return {"ppl": result.ppl}
 
 
 @evaluation("needle")
-def _needle(model, tokenizer, kv, text="shakespeare", length=1024, depths=(0.0, 0.5, 1.0), trials=2) -> dict:
-    import tempfile
-
+def _needle(model, tokenizer, kv: KVSpec, text="shakespeare", length=1024, depths=(0.0, 0.5, 1.0), trials=2) -> dict:
     from sparsegen.data import load_text
-    from sparsegen.eval.needle import needle_job
+    from sparsegen.eval.needle import spec_accuracy
 
-    policy, budget = kv.get("policy", "full"), kv.get("budget")
-    with tempfile.TemporaryDirectory() as scratch:
-        rows = needle_job(
-            model, tokenizer, load_text(text), [policy], [budget], list(depths), length, trials, Path(scratch)
-        )
-    rows = [row for row in rows if row["policy"] == policy]
-    return {"accuracy": sum(row["accuracy"] for row in rows) / len(rows)}
+    return {"accuracy": spec_accuracy(model, tokenizer, load_text(text), kv, list(depths), length, trials)}
 
 
 @evaluation("zeroshot")
-def _zeroshot(model, tokenizer, kv, tasks=("arc_easy",), limit=50) -> dict:
+def _zeroshot(model, tokenizer, kv: KVSpec, tasks=("arc_easy",), limit=50) -> dict:
     import tempfile
 
     from sparsegen.eval.harness import SparsegenLM
     from sparsegen.eval.zeroshot import zeroshot_job
 
-    lm = SparsegenLM(loaded=(model, tokenizer), **kv)
+    lm = SparsegenLM.over((model, tokenizer), kv)
     with tempfile.TemporaryDirectory() as scratch:
         summary = zeroshot_job(lm, list(tasks), Path(scratch), limit)
     return {"acc": summary["mean_acc"], **{f"acc_{task}": m["acc"] for task, m in summary["tasks"].items()}}
@@ -189,7 +193,9 @@ def sweep(
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 cell = pending.pop(ready[0])
-                write_json(out / "cells" / f"{cell.key}.json", {"cell": asdict(cell), "metrics": ray.get(ready[0])})
+                spec = None if cell.spec is None else cell.spec.to_dict()
+                record = {"cell": asdict(cell), "kv": spec, "metrics": ray.get(ready[0])}
+                write_json(out / "cells" / f"{cell.key}.json", record)
                 progress(f"[{len(cells) - len(pending)}/{len(cells)}] {cell.label}")
         finally:
             ray.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from sparsegen.kv.spec import KVSpec
 from sparsegen.serve.app import create_app
 from sparsegen.serve.batching import Engine, Job
 
@@ -12,23 +13,23 @@ __all__ = ["Engine", "Job", "build_app", "create_app"]
 
 def build_app(
     model: str | tuple = "smollm2-135m",
-    policy: str = "streaming",
-    budget: dict | None = None,
+    kv: KVSpec | str = "streaming",
+    *,
     model_id: str | None = None,
     max_kv_bytes: int = 1 << 30,
     max_tokens_limit: int = 4096,
     prefill_chunk: int = 512,
     max_queue: int = 64,
     device: str | None = None,
-    kv_bits: int | None = None,
     activation_bits: int | None = None,
     compile: bool = False,
 ) -> FastAPI:
     """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
 
+    `kv` is the requests' default KV spec (a request may name its own policy, budget and bits).
     Only the unbounded `full` policy caps prompt + answer at the model's positions; bounded
     policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
-    and held conversation (counted in `kv_bits` where a request holds its KV rounded); up to
+    and held conversation (counted in its spec's `kv_bits` where a request holds its KV rounded); up to
     `max_queue` requests wait for room, later ones get a 429. `activation_bits=8` loads an int4
     checkpoint with integer-dot products (`sparsegen.load`). `compile=True` compiles the batched
     decode step in the background while the engine answers eagerly (`serve.compiling`); `/health`
@@ -42,12 +43,10 @@ def build_app(
     engine = Engine(
         network,
         tokenizer,
-        policy,
-        budget,
+        kv,
         max_kv_bytes=max_kv_bytes,
         prefill_chunk=prefill_chunk,
         max_queue=max_queue,
-        kv_bits=kv_bits,
         compile=compile,
     )
     limit = network.config.get_text_config(decoder=True).max_position_embeddings

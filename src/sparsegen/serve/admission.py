@@ -44,10 +44,10 @@ class Admission:
 
     def need(self, job: Job) -> int:
         """Bytes of KV `job` may hold at most."""
-        sizes = job.kv_policy.sizes(len(job.prompt_ids))
+        sizes = job.kv.policy.sizes(len(job.prompt_ids))
         most = len(job.prompt_ids) + job.max_tokens
         tokens = most if sizes is None else min(sizes.budget + 1, most)
-        return self.row_bytes(tokens, job.kv_bits)
+        return self.row_bytes(tokens, job.kv.kv_bits)
 
     def check(self, job: Job, arriving: int) -> None:
         """Set `job.kv_need`; refuse a job whose KV could never fit, or one more than `max_queue`
@@ -79,7 +79,7 @@ class Admission:
         if self.held_bytes() + job.kv_need > self.max_kv_bytes:
             return None
         self.admitted.append(self.waiting.popleft())
-        self.metrics.admitted.labels(job.kv_policy.name).inc()
+        self.metrics.admitted.labels(job.kv.name).inc()
         return job
 
     def release(self, job: Job) -> None:

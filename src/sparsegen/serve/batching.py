@@ -3,12 +3,12 @@
 Every request is a `Job`. The worker thread admits jobs while their KV fits `max_kv_bytes`
 (`serve.admission`: the rest wait in a bounded queue), reads each admitted prompt into a policy
 cache one chunk per iteration (new prompts that wait together and fit one chunk in one packed
-forward: `kv.stream.read_packed`), and then makes it a row of a `Lane`: the rows that share a KV
-policy, decoded together by one `Decoder`, one step for all of them per iteration. Rows join after
-their prefill and leave when done (stop token, stop string, `max_tokens`, a client gone) between
-steps; a long prompt delays other rows' tokens by at most one chunk (a policy that compresses the
-prompt once reads a new prompt whole, so its choice sees all of it; a cancel still stops that read
-within one decoder layer).
+forward: `kv.stream.read_packed`), and then makes it a row of a `Lane`: the rows whose KV specs
+share a step (`KVSpec.step_key`), decoded together by one `Decoder`, one step for all of them
+per iteration. Rows join after their prefill and leave when done (stop token, stop string,
+`max_tokens`, a client gone) between steps; a long prompt delays other rows' tokens by at most
+one chunk (a policy that compresses the prompt once reads a new prompt whole, so its choice sees
+all of it; a cancel still stops that read within one decoder layer).
 
 Chat answers leave their cache held between requests (`serve.conversations`), counted against
 the same KV memory. With `compile=True` the default lane's step (the server's own policy and
@@ -37,8 +37,7 @@ from sparsegen.few_rows import PackedWeights, pack_weights, restore_linears, use
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.footprint import kv_row_bytes
-from sparsegen.kv.policy import Policy, make_policy
-from sparsegen.kv.quantized import checked_bits
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import Abandoned, packable, read, read_packed, reads_whole
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
@@ -46,7 +45,7 @@ from sparsegen.serve.compiling import BackgroundCompile
 from sparsegen.serve.conversations import Conversation, ConversationStore
 from sparsegen.serve.events import Done, Failed, PromptLogprobs, prompt_entries, token_entry
 from sparsegen.serve.jobs import Job, sampling_defaults
-from sparsegen.serve.lanes import Lane, Lanes, lane_key
+from sparsegen.serve.lanes import Lane, Lanes
 from sparsegen.serve.memory import MemoryBound, memory_bound
 from sparsegen.serve.metrics import Metrics
 
@@ -58,20 +57,18 @@ class Engine:
         self,
         model,
         tokenizer,
-        policy: str = "streaming",
-        budget: dict | None = None,
+        kv: KVSpec | str = "streaming",
+        *,
         max_kv_bytes: int = 1 << 30,
         prefill_chunk: int = 512,
         max_queue: int = 64,
-        kv_bits: int | None = None,
         compile: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         # a CPU's step only: a GPU's compiled step replays CUDA graphs of one shape each (untested here)
         self.compile = compile and self.device.type == "cpu"
-        self.kv_bits = checked_bits(kv_bits)  # a bad width fails now, not at the first request
-        self.policy, self.budget = policy, budget or {}
+        self.kv = KVSpec.coerce(kv)  # the requests' default; bad settings failed in building it
         self.prefill_chunk = prefill_chunk
         self.memory: MemoryBound | None = None  # stated once the engine is ready (`serve.memory`)
         self.packed: PackedWeights = {}  # the few-row kernel's weights, one copy for every lane (packed in `_loop`)
@@ -79,7 +76,6 @@ class Engine:
         self.compiling: BackgroundCompile | None = None
         self.compiled = threading.Event()  # set once the compiled default lane serves (or cannot)
         self.metrics = Metrics()
-        self.kv_policy(policy, self.budget)  # bad settings fail now, not at the first request
         self.sampling = sampling_defaults(model)
         self.stop_ids = frozenset(stop_tokens(model, tokenizer))
         self.conversations = ConversationStore()
@@ -100,16 +96,19 @@ class Engine:
             raise self._start_failure
 
     # -- public -------------------------------------------------------------------------------
-    def kv_policy(self, name: str | None, budget: dict | None) -> Policy:
-        """The KV policy of a request (the engine's defaults where it names none); bad settings raise."""
-        if name is None and budget is None:
-            name, budget = self.policy, self.budget
-        return make_policy(name or self.policy, **(budget if budget is not None else {}))
+    def request_kv(self, policy: str | None, budget: int | float | None, kv_bits: int | None) -> KVSpec:
+        """The KV spec of a request: the engine's policy and budget where it names neither, else
+        its policy (the engine's where it names only a budget) at that budget, in `kv_bits`."""
+        if policy is None and budget is None:
+            return dataclasses.replace(self.kv, kv_bits=kv_bits)
+        return KVSpec.of(
+            policy or self.kv.name, budget=budget, position=self.kv.position, kv_bits=kv_bits, kv_rotated=self.kv.kv_rotated
+        )
 
     def submit(self, job: Job) -> None:
         """Queue `job`; raises `QueueFull` when `max_queue` requests already wait for memory, and
         `SparsegenError` when its KV could never fit."""
-        job.kv_policy = job.kv_policy or self.kv_policy(None, None)
+        job.kv = job.kv or self.kv
         answer_text = partial(self.tokenizer.decode, skip_special_tokens=True)
         job.rule = StopRule(job.max_tokens, self.stop_ids, tuple(job.stop), answer_text)
         with self._lock:
@@ -174,7 +173,7 @@ class Engine:
         self.patched = use_gemv(self.model, rows_vary=True, packed=self.packed)
         make = partial(self._decoder, compiled=True)
         notify = partial(print, file=sys.stderr)
-        self.compiling = BackgroundCompile(make, self.kv_policy(None, None), self.kv_bits, notify)
+        self.compiling = BackgroundCompile(make, self.kv, notify)
 
     def _serve(self) -> None:
         while self._running:
@@ -228,7 +227,7 @@ class Engine:
             job.generator = torch.Generator().manual_seed(job.seed)  # CPU: the sampler draws there
         with self._lock:
             held = None if job.text is None else self.conversations.continued_by(job.text)
-        if held is not None and lane_key(job.kv_policy, job.kv_bits) == lane_key(held.cache.policy, held.cache.kv_bits):
+        if held is not None and job.kv.shares_step_with(held.cache.spec):
             with self._lock:
                 self.conversations.take(held)
             new_ids = self.tokenizer(job.text[len(held.text) :], add_special_tokens=False)["input_ids"]
@@ -236,8 +235,7 @@ class Engine:
             job.cached_tokens = max(0, len(job.prompt_ids) - len(job.to_read))
             self.metrics.reuses.inc()
         else:
-            policy = job.kv_policy.resolved(len(job.prompt_ids))
-            job.cache, job.to_read = make_cache(self.model, policy, kv_bits=job.kv_bits), list(job.prompt_ids)
+            job.cache, job.to_read = make_cache(self.model, job.kv.resolved(len(job.prompt_ids))), list(job.prompt_ids)
         if not job.to_read:  # the follow-up adds nothing: re-read the last token's logits
             raise SparsegenError("the request adds no tokens to its conversation")
 
@@ -305,18 +303,18 @@ class Engine:
             if job.max_tokens == 0:
                 self._complete(job, "length", None)
                 return
-            lane = self.lanes.for_rows(job.kv_policy, job.kv_bits)
+            lane = self.lanes.for_rows(job.kv)
             lane.decoder.join([job.cache], job.max_tokens)
             lane.jobs.append(job)
             lane.logits = logits[None] if lane.logits is None else torch.cat([lane.logits, logits[None]])
         job.cache = None  # the row lives in the lane now
 
-    def _decoder(self, policy: Policy, kv_bits: int | None, compiled: bool) -> Decoder:
+    def _decoder(self, kv: KVSpec, compiled: bool) -> Decoder:
         """A lane's decoder: its step compiled (once for one row, once for any other count), for
         the default lane, built in the background (`serve.compiling`), or eager: a lane a request
         opens with other settings must not stall every client for the minutes a compile takes."""
         mode = "always" if compiled else "never"
-        return Decoder(self.model, policy, compile=mode, kv_bits=kv_bits, rows_vary=True, packed=self.packed)
+        return Decoder(self.model, kv, compile=mode, rows_vary=True, packed=self.packed)
 
     def _adopt_compiled(self) -> None:
         """Between iterations, once the compiled step is ready: it becomes the default lane, and
@@ -327,7 +325,7 @@ class Engine:
         self.compiling, decoder = None, compiling.take()
         if decoder is not None:
             with self._lock:
-                self.lanes.adopt(decoder, compiling.policy, compiling.kv_bits)
+                self.lanes.adopt(decoder, compiling.kv)
         self.compiled.set()
 
     # -- decode, one step for every row of a lane ------------------------------------------------

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from sparsegen.decode import Decoder
-from sparsegen.kv.policy import Policy
+from sparsegen.kv.spec import KVSpec
 
 WARM_PROMPT = list(range(1, 9))
 
@@ -32,7 +32,7 @@ def warm(decoder: Decoder) -> None:
 
 
 class BackgroundCompile:
-    """A thread that builds and warms one compiled `Decoder` for `policy` and `kv_bits`.
+    """A thread that builds and warms one compiled `Decoder` for the KV spec `kv`.
 
     `ready` is set when it is done, compiled or failed (`notify` says why, and the engine keeps
     stepping eagerly). `take()` hands the decoder over once. `cancel()` (the engine closing)
@@ -41,12 +41,11 @@ class BackgroundCompile:
 
     def __init__(
         self,
-        make_decoder: Callable[[Policy, int | None], Decoder],
-        policy: Policy,
-        kv_bits: int | None,
+        make_decoder: Callable[[KVSpec], Decoder],
+        kv: KVSpec,
         notify: Callable[[str], None],
     ) -> None:
-        self.policy, self.kv_bits = policy, kv_bits
+        self.kv = kv
         self.ready = threading.Event()
         self._make_decoder, self._notify = make_decoder, notify
         self._decoder: Decoder | None = None
@@ -56,7 +55,7 @@ class BackgroundCompile:
         self._thread.start()
 
     def _run(self) -> None:
-        decoder = self._make_decoder(self.policy, self.kv_bits)
+        decoder = self._make_decoder(self.kv)
         try:
             with torch.inference_mode():
                 warm(decoder)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsegen.kv import PolicyCache
-from sparsegen.kv.policy import Policy
+from sparsegen.kv.spec import KVSpec
 from sparsegen.sampling import StopRule
 from sparsegen.serve.events import Event, Token
 
@@ -21,8 +21,7 @@ class Job:
 
     `emit(event)` is called from the worker thread with the request's events (`serve.events`).
     `text` is the rendered prompt of a chat (for conversation reuse); completions leave it None
-    and always start a fresh cache. `kv_policy` is the request's KV policy (the engine's default
-    when None), `kv_bits` the bits its keys and values are held in (None: the decoder's dtype).
+    and always start a fresh cache. `kv` is the request's KV spec (the engine's default when None).
     """
 
     prompt_ids: list[int]
@@ -35,8 +34,7 @@ class Job:
     seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
-    kv_policy: Policy | None = None
-    kv_bits: int | None = None
+    kv: KVSpec | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker state
     kv_need: int = 0

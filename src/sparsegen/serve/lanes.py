@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from sparsegen.decode import Decoder
-from sparsegen.kv.policy import Policy
+from sparsegen.kv.spec import KVSpec
 from sparsegen.serve.jobs import Job
 
 DRAINING = "draining"
@@ -18,39 +17,32 @@ DRAINING = "draining"
 
 @dataclass
 class Lane:
-    """The rows decoding under one KV policy: one batch, one step for all of them."""
+    """The rows whose KV specs share a step (`KVSpec.step_key`): one batch, one step for all of them."""
 
     decoder: Decoder
     jobs: list[Job] = field(default_factory=list)
     logits: torch.Tensor | None = None  # each row's next-token logits [rows, vocab]
 
 
-def lane_key(policy: Policy, kv_bits: int | None) -> tuple:
-    """Rows batch together when they share the policy, every setting but the heavy and recent
-    counts (per-row budgets differ; the sinks fix the slots' layout) and the KV's bits."""
-    settings = (f for f in dataclasses.fields(policy) if f.name not in ("heavy", "recent"))
-    return (policy.name, kv_bits, *((f.name, getattr(policy, f.name)) for f in settings))
-
-
 class Lanes(dict[tuple, Lane]):
-    """The engine's lanes by `lane_key`; `make_decoder(policy, kv_bits)` gives a new lane its
-    eager decoder (a compiled one comes only through `adopt`)."""
+    """The engine's lanes by `KVSpec.step_key`; `make_decoder(kv)` gives a new lane its eager
+    decoder (a compiled one comes only through `adopt`)."""
 
-    def __init__(self, make_decoder: Callable[[Policy, int | None], Decoder]) -> None:
+    def __init__(self, make_decoder: Callable[[KVSpec], Decoder]) -> None:
         super().__init__()
         self._make_decoder = make_decoder
 
-    def for_rows(self, policy: Policy, kv_bits: int | None) -> Lane:
-        """The lane new rows of these settings join, opened (eager) if none is."""
-        key = lane_key(policy, kv_bits)
+    def for_rows(self, kv: KVSpec) -> Lane:
+        """The lane new rows of this spec join, opened (eager) if none is."""
+        key = kv.step_key()
         if key not in self:
-            self[key] = Lane(self._make_decoder(policy, kv_bits))
+            self[key] = Lane(self._make_decoder(kv))
         return self[key]
 
-    def adopt(self, decoder: Decoder, policy: Policy, kv_bits: int | None) -> None:
-        """`decoder` (compiled) becomes the lane new rows of its settings join; rows already
-        decoding in the eager lane it replaces finish there (`retire_drained` removes it)."""
-        key = lane_key(policy, kv_bits)
+    def adopt(self, decoder: Decoder, kv: KVSpec) -> None:
+        """`decoder` (compiled) becomes the lane new rows of `kv` join; rows already decoding in
+        the eager lane it replaces finish there (`retire_drained` removes it)."""
+        key = kv.step_key()
         eager = self.pop(key, None)
         if eager is not None and eager.jobs:
             self[(*key, DRAINING)] = eager

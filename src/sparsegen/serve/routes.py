@@ -29,7 +29,7 @@ async def health(request: Request):
     return {
         "status": "ok",
         "model": server.model_id,
-        "policy": engine.policy,
+        "policy": engine.kv.name,
         **engine.stats(),
         "memory_bound": engine.memory.as_dict(),
     }
@@ -78,8 +78,8 @@ async def chat(body: ChatRequest, request: Request):
     except Exception as exc:
         raise ApiError(400, f"the model's chat template rejected these messages: {exc}", "messages") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    policy = server.check(body, max_tokens, len(ids), minimum=1)
-    job = Job(ids, max_tokens, emit=None, text=text, kv_policy=policy, **body.job_options(server.engine))
+    kv = server.check(body, max_tokens, len(ids), minimum=1)
+    job = Job(ids, max_tokens, emit=None, text=text, kv=kv, **body.job_options(server.engine))
     queue = server.submit(job)
     rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": server.model_id}
@@ -156,14 +156,14 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = _prompts_of(body, tokenizer)
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens")
-    policies = [server.check(body, body.max_tokens, len(ids), minimum=0) for ids in prompts]
+    specs = [server.check(body, body.max_tokens, len(ids), minimum=0) for ids in prompts]
     if body.stream and len(prompts) > 1:
         raise ApiError(400, "stream a single prompt at a time", "prompt")
     rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": now, "model": server.model_id}
 
     def job_for(ids: list[int]) -> Job:
-        options = {**body.job_options(server.engine), "kv_policy": policies[0], "echo": body.echo}
+        options = {**body.job_options(server.engine), "kv": specs[0], "echo": body.echo}
         return Job(list(ids), body.max_tokens, emit=None, logprobs=body.logprobs, **options)
 
     def choice(text: str, finish_reason: str | None = None) -> dict:

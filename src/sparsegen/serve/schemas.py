@@ -57,8 +57,6 @@ class Sampling(BaseModel):
             "top_p": engine.sampling["top_p"] if self.top_p is None else self.top_p,
             "stop": self.stops(),
             "seed": self.seed,
-            # omitted: the server's --kv-bits; null: full precision
-            "kv_bits": self.kv_bits if "kv_bits" in self.model_fields_set else engine.kv_bits,
         }
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.policy import Policy
+from sparsegen.kv.spec import KVSpec
 from sparsegen.serve.admission import QueueFull
 from sparsegen.serve.batching import Engine, Job
 from sparsegen.serve.events import Done, Event, Failed
@@ -27,10 +27,10 @@ class Server:
     def answered(self, request: Request, status: str = "200") -> None:
         self.engine.metrics.requests.labels(request.url.path, status).inc()
 
-    def check(self, body: Sampling, max_tokens: int, prompt_tokens: int, minimum: int) -> Policy:
+    def check(self, body: Sampling, max_tokens: int, prompt_tokens: int, minimum: int) -> KVSpec:
         """Refuse, as an API error, what this server cannot answer: another model, n > 1, a
         max_tokens out of range, an unknown KV policy, more than the positions `full` can hold.
-        Returns the request's KV policy (built once, here)."""
+        Returns the request's KV spec (built once, here)."""
         if body.model != self.model_id:
             raise ApiError(
                 404,
@@ -44,23 +44,23 @@ class Server:
             raise ApiError(
                 400, f"max_tokens must be in [{minimum}, {self.max_tokens_limit}], got {max_tokens}", "max_tokens"
             )
-        budget = None if body.kv_budget is None else {"budget": body.kv_budget}
+        bits = body.kv_bits if "kv_bits" in body.model_fields_set else self.engine.kv.kv_bits  # null: full precision
         try:
-            policy = self.engine.kv_policy(body.kv_policy, budget)
+            kv = self.engine.request_kv(body.kv_policy, body.kv_budget, bits)
         except SparsegenError as exc:
             raise ApiError(400, str(exc), "kv_budget" if body.kv_budget is not None else "kv_policy") from None
-        if policy.budget_parts() or self.context_limit is None:
-            return policy
+        if kv.policy.budget_parts() or self.context_limit is None:
+            return kv
         if prompt_tokens + max_tokens > self.context_limit:
             raise ApiError(
                 400,
                 f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"{self.context_limit} tokens the {policy.name!r} policy can hold; shorten the "
+                f"{self.context_limit} tokens the {kv.name!r} policy can hold; shorten the "
                 "conversation or ask for a bounded policy (kv_policy: streaming)",
                 "messages",
                 "context_length_exceeded",
             )
-        return policy
+        return kv
 
     def submit(self, job: Job) -> asyncio.Queue:
         """Hand `job` to the engine; its events arrive on the returned queue. Refusals are API errors."""
