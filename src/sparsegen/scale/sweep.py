@@ -70,10 +70,11 @@ class Cell:
 
     @property
     def spec(self) -> KVSpec | None:
-        """The cell's KV spec, read from its grid entry (None for an evaluation that ignores the KV)."""
+        """The cell's KV spec, read from its grid entry (`full` where it names no policy; None for an
+        evaluation that ignores the KV)."""
         from sparsegen.kv.spec import KVSpec
 
-        return KVSpec.of(**self.kv) if self.kv else None
+        return KVSpec.of(**self.kv) if self.evaluation["kind"] in USES_KV else None
 
     @property
     def label(self) -> str:
@@ -93,8 +94,8 @@ def cells_of(grid: dict) -> list[Cell]:
     ):
         policies = grid.get("kv", [{"policy": "full"}]) if evaluation_["kind"] in USES_KV else [{}]
         cells += [Cell(prune, quantize, kv, evaluation_) for kv in policies]
-    for cell in cells:  # a bad KV entry fails before any cell runs, as one line
-        cell.spec  # noqa: B018
+    for cell in cells:
+        _ = cell.spec  # a bad KV entry fails here, before any cell runs, as one line
     return cells
 
 
