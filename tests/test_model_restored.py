@@ -78,7 +78,7 @@ def _lm_eval(model, tmp_path):
 
 def _soft_prompt(model, tmp_path):
     prompted = PromptedModel(model, SoftPrompt(torch.randn(3, 64) * 0.02), KVSpec.of("streaming", sinks=2, recent=20))
-    generate(model, IDS, 3, prompted.policy, compile="never", held=[prompted.cache()])
+    generate(model, IDS, 3, prompted.kv, compile="never", held=[prompted.cache()])
 
 
 def _server(model, tmp_path):
