@@ -40,7 +40,6 @@ PROJECTIONS = {  # GGUF name: (transformers name, rows, inputs)
 }
 
 
-
 def random_blocks(qtype: Q, rows: int, inputs: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 [rows, row bytes] of `qtype`: quantized normal weights, or random K-quant codes."""
     if qtype in SIMPLE:

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import uvicorn
 
 from sparsegen.bench.serve import free_port
-from sparsegen.rss import current_rss_mb
 from sparsegen.kv.spec import KVSpec
+from sparsegen.rss import current_rss_mb
 from sparsegen.serve import build_app
 
 

@@ -56,7 +56,6 @@ def exact(monkeypatch):
     monkeypatch.setattr(gguf_blocks, "kernels_ready", lambda: False)
 
 
-
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_each_kernel_format_keeps_its_blocks(tmp_path, qtype, capsys, exact):
     path = tmp_path / "tiny.gguf"

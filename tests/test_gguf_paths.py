@@ -13,6 +13,7 @@ from test_serve import _ask_together
 import sparsegen
 from sparsegen.decode import generate
 from sparsegen.kv import make_cache, stream
+from sparsegen.kv.spec import KVSpec
 from sparsegen.quant.gguf_blocks import GGUFLinear
 from tests.kv_reference import TABLE, generate_drop_in
 
@@ -46,8 +47,8 @@ def _prompt(length: int, seed: int = 1) -> torch.Tensor:
 def test_every_policy_on_the_fast_path_equals_generate_over_the_cache(gguf_model, policy):
     model, _ = gguf_model
     budget, ids = TABLE[policy].small, _prompt(21)
-    reference = generate_drop_in(model, ids, make_cache(model, policy, **budget), 16)
-    out = generate(model, ids, 16, policy=policy, compile="never", **budget)
+    reference = generate_drop_in(model, ids, make_cache(model, KVSpec.of(policy, **budget)), 16)
+    out = generate(model, ids, 16, KVSpec.of(policy, **budget), compile="never")
     assert out.tokens[0] == reference
 
 
@@ -67,9 +68,9 @@ def test_stream_with_a_budget_over_the_text_equals_the_dense_forward(gguf_model,
 def test_the_server_answers_as_generate_does(gguf_model):
     model, tokenizer = gguf_model
     prompts = ["the the", "he the t", "t he he the the"]
-    with live_server(gguf_model, "h2o", {"budget": 12}, prefill_chunk=8) as (url, _):
+    with live_server(gguf_model, KVSpec.of("h2o", budget=12), prefill_chunk=8) as (url, _):
         answers = _ask_together(url, prompts, [None] * len(prompts), max_tokens=8)
     for index, prompt in enumerate(prompts):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        alone = generate(model, [ids], 8, policy="h2o", compile="never", prefill_chunk=8, budget=12)
+        alone = generate(model, [ids], 8, KVSpec.of("h2o", budget=12), compile="never", prefill_chunk=8)
         assert answers[index] == tokenizer.decode(alone.tokens[0], skip_special_tokens=True), index

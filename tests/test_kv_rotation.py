@@ -14,6 +14,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.quantized import BITS, KVCodec, pack, rotation, unpack
+from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
 from tests.kv_reference import TABLE, generate_drop_in
 
@@ -117,8 +118,8 @@ def test_drop_in_cache_and_fast_path_agree_in_rotated_bits(policy, bits):
     model = build_tiny("llama", attn="eager")
     ids = _prompt(40)
     small = TABLE[policy].small
-    reference = generate_drop_in(model, ids, make_cache(model, policy, kv_bits=bits, **small), 20)
-    decoder = Decoder(model, policy, compile="never", kv_bits=bits, **small)
+    reference = generate_drop_in(model, ids, make_cache(model, KVSpec.of(policy, kv_bits=bits, **small)), 20)
+    decoder = Decoder(model, KVSpec.of(policy, kv_bits=bits, **small), compile="never")
     out = generate(model, ids, 20, decoder=decoder)
     assert out.tokens[0] == reference
     assert decoder.state.layers[0].codec.rotated
@@ -126,7 +127,7 @@ def test_drop_in_cache_and_fast_path_agree_in_rotated_bits(policy, bits):
 
 
 def _teacher_forced_logits(model, ids: list[int], policy: str, bits: int | None) -> torch.Tensor:
-    decoder = Decoder(model, policy, compile="never", kv_bits=bits, **TABLE[policy].small)
+    decoder = Decoder(model, KVSpec.of(policy, kv_bits=bits, **TABLE[policy].small), compile="never")
     with policy_attention(model), torch.inference_mode():
         logits = [decoder.start([ids[:40]], 64)[0]]
         for token in ids[40:-1]:
@@ -149,8 +150,8 @@ def test_fewer_bits_stay_close_to_full_precision_kv(policy):
 def test_compiled_step_in_rotated_3_bits_equals_the_eager_one():
     model = build_tiny("llama")
     ids = _prompt(21).expand(2, -1)
-    eager = generate(model, ids, 8, policy="h2o", compile="never", kv_bits=3, eos_token_id=[], budget=12)
-    compiled = generate(model, ids, 8, policy="h2o", compile="always", kv_bits=3, eos_token_id=[], budget=12)
+    eager = generate(model, ids, 8, KVSpec.of("h2o", kv_bits=3, budget=12), compile="never", eos_token_id=[])
+    compiled = generate(model, ids, 8, KVSpec.of("h2o", kv_bits=3, budget=12), compile="always", eos_token_id=[])
     assert compiled.mode == "compiled" and compiled.tokens == eager.tokens
 
 
@@ -160,13 +161,13 @@ def test_a_checkpoint_loads_only_into_a_cache_of_the_same_rotation():
     from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
 
     model = build_tiny("llama")
-    cache = make_cache(model, "h2o", budget=12, kv_bits=4)
+    cache = make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4))
     with policy_attention(model), torch.inference_mode():
         model(_prompt(20), cache=cache)
     state = _layer_state(cache.layers[0])
     assert state["kv_rotated"] is True
-    plain = make_cache(model, "h2o", budget=12, kv_bits=4).layers[0]
+    plain = make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4)).layers[0]
     plain.codec = dataclasses.replace(plain.codec, rotated=False)
     with pytest.raises(SparsegenError, match="4 bits, rotated, this cache in 4 bits$"):
         _load_layer_state(plain, state)
-    _load_layer_state(make_cache(model, "h2o", budget=12, kv_bits=4).layers[0], state)
+    _load_layer_state(make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4)).layers[0], state)

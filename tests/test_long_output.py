@@ -8,6 +8,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.eval.long_output import follow_full_output, long_output_prompt
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
+from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import read
 from tests.conftest import build_tiny, tiny_tokenizer
 
@@ -21,7 +22,7 @@ def test_agreement_and_kl_equal_a_teacher_forced_drop_in_cache_against_the_dense
     with torch.no_grad():
         dense = model(ids).logits[0, len(prompt) - 1 : -1].double().log_softmax(-1)
     assert written == dense.argmax(-1).tolist()  # the full cache wrote the dense model's greedy text
-    cache = make_cache(model, "h2o", budget=6)
+    cache = make_cache(model, KVSpec.of("h2o", budget=6))
     with policy_attention(model), torch.inference_mode():
         logits = [read(model, prompt, cache)] + [read(model, [token], cache) for token in written[:-1]]
     mine = torch.stack(logits).double().log_softmax(-1)

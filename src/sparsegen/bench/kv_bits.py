@@ -151,8 +151,9 @@ def bench_kv_bits_quality(
 def _perplexity(model, ids, policy: str, budget: dict, bits: int | None, rotated: bool, chunk: int):
     """Perplexity of `ids` read `chunk` at a time into a fresh cache, and the cache's peak bytes."""
     from sparsegen.kv import make_cache, policy_attention
+    from sparsegen.kv.spec import KVSpec
 
-    cache = make_cache(model, policy, kv_bits=bits, kv_rotated=rotated, **budget)
+    cache = make_cache(model, KVSpec.of(policy, kv_bits=bits, kv_rotated=rotated, **budget))
     nll, peak = 0.0, 0
     with policy_attention(model):
         for start in range(0, ids.numel() - 1, chunk):

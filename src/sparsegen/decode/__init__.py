@@ -1,7 +1,7 @@
 """The fast decode path: a prefilled policy cache moved into fixed-shape buffers, one compiled step
 per token, batches of rows of any lengths.
 
-out = sparsegen.decode.generate(model, [ids_a, ids_b], max_new_tokens=256, policy="h2o", budget=512)
+out = sparsegen.decode.generate(model, [ids_a, ids_b], max_new_tokens=256, kv=KVSpec.of("h2o", budget=512))
 """
 
 from sparsegen.decode.engine import Decoder

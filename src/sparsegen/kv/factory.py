@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -74,4 +76,4 @@ def make_cache(
             raise SparsegenError(f"layer type {layer_type!r} is not supported by KV policies")
     if not any(isinstance(layer, PolicyLayer) for layer in layers):
         raise SparsegenError("the model has no full-attention layer for a KV policy to apply to")
-    return PolicyCache(layers, policy, position, kv.kv_bits)
+    return PolicyCache(layers, dataclasses.replace(kv, position=position))

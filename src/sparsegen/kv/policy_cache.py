@@ -13,21 +13,25 @@ from sparsegen.kv.spec import KVSpec
 
 
 class PolicyCache(Cache):
-    """A transformers `Cache` whose full-attention layers apply a KV policy, holding keys and
-    values in `kv_bits` (None: the model's numbers)."""
+    """A transformers `Cache` whose full-attention layers apply the KV spec `spec` (its position
+    resolved: "original" or "rolling"; `make_cache` builds one)."""
 
-    def __init__(
-        self, layers: list[CacheLayerMixin], policy: Policy, position: str, kv_bits: int | None = None
-    ) -> None:
+    def __init__(self, layers: list[CacheLayerMixin], spec: KVSpec) -> None:
         super().__init__(layers=layers)
-        self.policy = policy
-        self.position = position
-        self.kv_bits = kv_bits
+        self.spec = spec
 
     @property
-    def spec(self) -> KVSpec:
-        """The KV spec this cache holds its tokens by (its position as resolved)."""
-        return KVSpec(self.policy, self.position, self.kv_bits)
+    def policy(self) -> Policy:
+        return self.spec.policy
+
+    @property
+    def position(self) -> str:
+        return self.spec.placement
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The bits keys and values are held in (None: the model's numbers)."""
+        return self.spec.kv_bits
 
     def physical_length(self) -> int | list[int]:
         """Tokens actually held: one int if all layers agree, else one per layer."""

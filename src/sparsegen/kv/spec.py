@@ -83,6 +83,16 @@ class KVSpec:
         """This spec with its budget's shares of the prompt turned into counts (`Policy.resolved`)."""
         return dataclasses.replace(self, policy=self.policy.resolved(prompt_length))
 
+    def asked(self, policy: str | None, budget: int | float | None, kv_bits: int | None) -> KVSpec:
+        """The spec a request asks for over this default one: this policy and budget where it
+        names neither, else its policy (this one where it names only a budget) at that budget;
+        in `kv_bits`, at this spec's position and rotation."""
+        if policy is None and budget is None:
+            return dataclasses.replace(self, kv_bits=kv_bits)
+        return KVSpec.of(
+            policy or self.name, budget=budget, position=self.position, kv_bits=kv_bits, kv_rotated=self.kv_rotated
+        )
+
     def step_key(self) -> tuple:
         """What rows decoding in one batched step must share: the policy and every setting of it
         but the per-row heavy and recent counts (the sinks included), the positions and the bits."""

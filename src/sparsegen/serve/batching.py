@@ -96,15 +96,6 @@ class Engine:
             raise self._start_failure
 
     # -- public -------------------------------------------------------------------------------
-    def request_kv(self, policy: str | None, budget: int | float | None, kv_bits: int | None) -> KVSpec:
-        """The KV spec of a request: the engine's policy and budget where it names neither, else
-        its policy (the engine's where it names only a budget) at that budget, in `kv_bits`."""
-        if policy is None and budget is None:
-            return dataclasses.replace(self.kv, kv_bits=kv_bits)
-        return KVSpec.of(
-            policy or self.kv.name, budget=budget, position=self.kv.position, kv_bits=kv_bits, kv_rotated=self.kv.kv_rotated
-        )
-
     def submit(self, job: Job) -> None:
         """Queue `job`; raises `QueueFull` when `max_queue` requests already wait for memory, and
         `SparsegenError` when its KV could never fit."""

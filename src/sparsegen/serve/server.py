@@ -46,7 +46,7 @@ class Server:
             )
         bits = body.kv_bits if "kv_bits" in body.model_fields_set else self.engine.kv.kv_bits  # null: full precision
         try:
-            kv = self.engine.request_kv(body.kv_policy, body.kv_budget, bits)
+            kv = self.engine.kv.asked(body.kv_policy, body.kv_budget, bits)
         except SparsegenError as exc:
             raise ApiError(400, str(exc), "kv_budget" if body.kv_budget is not None else "kv_policy") from None
         if kv.policy.budget_parts() or self.context_limit is None:
