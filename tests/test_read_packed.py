@@ -14,6 +14,7 @@ from sparsegen.kv import make_cache
 from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import packable, read, read_packed
 from sparsegen.serve.events import Done, Failed, Token
+from sparsegen.serve.jobs import GenerationRequest
 
 PROMPTS = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 17, 9, 1))]
 
@@ -65,10 +66,9 @@ def test_the_engine_reads_waiting_prompts_packed_and_answers_as_alone(monkeypatc
             ended.release()
 
     try:
-        jobs = [batching.Job(ids, 5, lambda e, i=i: collect(i, e)) for i, ids in enumerate(PROMPTS)]
-        for job in jobs:
-            engine.submit(job)
-        for _ in jobs:
+        for index, ids in enumerate(PROMPTS):
+            engine.submit(GenerationRequest(ids, 5, engine.kv), lambda e, i=index: collect(i, e))
+        for _ in PROMPTS:
             assert ended.acquire(timeout=60)
     finally:
         engine.close()
@@ -98,12 +98,14 @@ def test_a_failed_packed_read_fails_its_requests_frees_their_kv_and_the_engine_s
 
     try:
         for index, ids in enumerate(PROMPTS[:3]):
-            engine.submit(batching.Job(ids, 3, lambda e, i=index: collect(i, e)))
+            engine.submit(GenerationRequest(ids, 3, engine.kv), lambda e, i=index: collect(i, e))
         for _ in range(3):
             assert ended.acquire(timeout=60)
         assert failures and engine.held_kv_bytes() == 0
         assert all(isinstance(events[i][-1], Failed) and "injected failure" in events[i][-1].message for i in range(3))
-        engine.submit(batching.Job(PROMPTS[1], 3, lambda e: collect(3, e)))  # alone: read without packing
+        engine.submit(
+            GenerationRequest(PROMPTS[1], 3, engine.kv), lambda e: collect(3, e)
+        )  # alone: read without packing
         assert ended.acquire(timeout=60)
     finally:
         engine.close()

@@ -12,8 +12,9 @@ from sparsegen.kv import make_cache, make_policy
 from sparsegen.kv.spec import KVSpec
 from sparsegen.kv.stream import Abandoned, read
 from sparsegen.models import decoder_layers
-from sparsegen.serve.batching import Engine, Job
+from sparsegen.serve.batching import Engine
 from sparsegen.serve.events import Done, Failed
+from sparsegen.serve.jobs import GenerationRequest
 
 IDS = list(range(5, 65))
 
@@ -53,11 +54,17 @@ def test_the_engine_drops_a_request_cancelled_while_its_prompt_is_read_whole():
     try:
         events: list = []
         ended = threading.Event()
-        job = Job(IDS, 4, lambda event: (events.append(event), isinstance(event, (Done, Failed)) and ended.set()))
+        jobs, submitted = [], threading.Event()
+
+        def leave(*_) -> None:  # the client goes away while the second layer reads the prompt
+            submitted.wait(10)
+            jobs[0].cancelled.set()
+
         calls, hooks = _count_layer_calls(model)
-        # the client goes away while the second layer reads the prompt
-        hooks.append(decoder_layers(model)[1].register_forward_hook(lambda *_: job.cancelled.set()))
-        engine.submit(job)
+        hooks.append(decoder_layers(model)[1].register_forward_hook(leave))
+        emit = lambda event: (events.append(event), isinstance(event, (Done, Failed)) and ended.set())  # noqa: E731
+        jobs.append(engine.submit(GenerationRequest(IDS, 4, engine.kv), emit))
+        submitted.set()
         deadline = time.monotonic() + 20
         while not (calls and engine.stats()["active"] == 0) and time.monotonic() < deadline:
             time.sleep(0.02)

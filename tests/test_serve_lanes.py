@@ -6,7 +6,8 @@ from conftest import build_tiny
 from sparsegen.decode import Decoder, generate
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.spec import KVSpec
-from sparsegen.serve.jobs import Job
+from sparsegen.sampling import StopRule
+from sparsegen.serve.jobs import GenerationRequest, Job
 from sparsegen.serve.lanes import DRAINING, Lanes
 
 
@@ -24,7 +25,7 @@ def test_rows_of_a_replaced_lane_finish_there_and_new_rows_join_the_adopted_one(
     lanes = Lanes(make_decoder)
     with policy_attention(model), torch.inference_mode():
         first = lanes.for_rows(kv)
-        first.jobs = [Job(prompt, steps, print) for prompt in prompts]
+        first.jobs = [Job(GenerationRequest(prompt, steps, kv), print, StopRule(steps), 0) for prompt in prompts]
         caches, logits = first.decoder.prefill(prompts)
         first.decoder.start_from(caches, steps)
         tokens, written = logits.argmax(-1), [[] for _ in prompts]

@@ -6,9 +6,10 @@ from fastapi import FastAPI
 
 from sparsegen.kv.spec import KVSpec
 from sparsegen.serve.app import create_app
-from sparsegen.serve.batching import Engine, Job
+from sparsegen.serve.batching import Engine
+from sparsegen.serve.jobs import GenerationRequest, Job
 
-__all__ = ["Engine", "Job", "build_app", "create_app"]
+__all__ = ["Engine", "GenerationRequest", "Job", "build_app", "create_app"]
 
 
 def build_app(

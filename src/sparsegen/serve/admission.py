@@ -19,7 +19,7 @@ from sparsegen.serve.conversations import ConversationStore
 from sparsegen.serve.metrics import Metrics
 
 if TYPE_CHECKING:
-    from sparsegen.serve.jobs import Job
+    from sparsegen.serve.jobs import GenerationRequest, Job
 
 
 class QueueFull(Exception):
@@ -42,17 +42,16 @@ class Admission:
         self.waiting: deque[Job] = deque()
         self.admitted: list[Job] = []  # reading their prompt or decoding
 
-    def need(self, job: Job) -> int:
-        """Bytes of KV `job` may hold at most."""
-        sizes = job.kv.policy.sizes(len(job.prompt_ids))
-        most = len(job.prompt_ids) + job.max_tokens
+    def need(self, request: GenerationRequest) -> int:
+        """Bytes of KV `request` may hold at most."""
+        sizes = request.kv.policy.sizes(len(request.prompt_ids))
+        most = len(request.prompt_ids) + request.max_tokens
         tokens = most if sizes is None else min(sizes.budget + 1, most)
-        return self.row_bytes(tokens, job.kv.kv_bits)
+        return self.row_bytes(tokens, request.kv.kv_bits)
 
     def check(self, job: Job, arriving: int) -> None:
-        """Set `job.kv_need`; refuse a job whose KV could never fit, or one more than `max_queue`
-        waiting (`arriving` came in but are not queued yet)."""
-        job.kv_need = self.need(job)
+        """Refuse a job whose KV could never fit, or one more than `max_queue` waiting (`arriving`
+        came in but are not queued yet)."""
         if job.kv_need > self.max_kv_bytes:
             raise SparsegenError(
                 f"this request needs {job.kv_need / 2**20:.1f} MB of KV, more than the server's --max-kv-mb "
@@ -79,7 +78,7 @@ class Admission:
         if self.held_bytes() + job.kv_need > self.max_kv_bytes:
             return None
         self.admitted.append(self.waiting.popleft())
-        self.metrics.admitted.labels(job.kv.name).inc()
+        self.metrics.admitted.labels(job.request.kv.name).inc()
         return job
 
     def release(self, job: Job) -> None:

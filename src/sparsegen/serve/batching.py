@@ -43,8 +43,8 @@ from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
 from sparsegen.serve.compiling import BackgroundCompile
 from sparsegen.serve.conversations import Conversation, ConversationStore
-from sparsegen.serve.events import Done, Failed, PromptLogprobs, prompt_entries, token_entry
-from sparsegen.serve.jobs import Job, sampling_defaults
+from sparsegen.serve.events import Done, Event, Failed, PromptLogprobs, prompt_entries, token_entry
+from sparsegen.serve.jobs import GenerationRequest, Job, sampling_defaults
 from sparsegen.serve.lanes import Lane, Lanes
 from sparsegen.serve.memory import MemoryBound, memory_bound
 from sparsegen.serve.metrics import Metrics
@@ -96,15 +96,17 @@ class Engine:
             raise self._start_failure
 
     # -- public -------------------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        """Queue `job`; raises `QueueFull` when `max_queue` requests already wait for memory, and
-        `SparsegenError` when its KV could never fit."""
-        job.kv = job.kv or self.kv
+    def submit(self, request: GenerationRequest, emit: Callable[[Event], None]) -> Job:
+        """Queue `request`, its events sent to `emit` from the worker thread; returns its job (set
+        `job.cancelled` to abandon it). Raises `QueueFull` when `max_queue` requests already wait
+        for memory, and `SparsegenError` when its KV could never fit."""
         answer_text = partial(self.tokenizer.decode, skip_special_tokens=True)
-        job.rule = StopRule(job.max_tokens, self.stop_ids, tuple(job.stop), answer_text)
+        rule = StopRule(request.max_tokens, self.stop_ids, request.stop, answer_text)
+        job = Job(request, emit, rule, kv_need=self.admission.need(request))
         with self._lock:
             self.admission.check(job, self.incoming.qsize())
         self.incoming.put(job)
+        return job
 
     def close(self) -> None:
         self._running = False
@@ -214,19 +216,20 @@ class Engine:
 
     def _begin(self, job: Job) -> None:
         """Claim the held conversation this chat continues (reading only the new ids), or a new cache."""
-        if job.seed is not None:
-            job.generator = torch.Generator().manual_seed(job.seed)  # CPU: the sampler draws there
+        if job.request.seed is not None:
+            job.generator = torch.Generator().manual_seed(job.request.seed)  # CPU: the sampler draws there
         with self._lock:
-            held = None if job.text is None else self.conversations.continued_by(job.text)
-        if held is not None and job.kv.shares_step_with(held.cache.spec):
+            held = None if job.request.text is None else self.conversations.continued_by(job.request.text)
+        if held is not None and job.request.kv.shares_step_with(held.cache.spec):
             with self._lock:
                 self.conversations.take(held)
-            new_ids = self.tokenizer(job.text[len(held.text) :], add_special_tokens=False)["input_ids"]
+            new_ids = self.tokenizer(job.request.text[len(held.text) :], add_special_tokens=False)["input_ids"]
             job.cache, job.to_read = held.cache, held.unfed + new_ids
-            job.cached_tokens = max(0, len(job.prompt_ids) - len(job.to_read))
+            job.cached_tokens = max(0, len(job.request.prompt_ids) - len(job.to_read))
             self.metrics.reuses.inc()
         else:
-            job.cache, job.to_read = make_cache(self.model, job.kv.resolved(len(job.prompt_ids))), list(job.prompt_ids)
+            prompt = job.request.prompt_ids
+            job.cache, job.to_read = make_cache(self.model, job.request.kv.resolved(len(prompt))), list(prompt)
         if not job.to_read:  # the follow-up adds nothing: re-read the last token's logits
             raise SparsegenError("the request adds no tokens to its conversation")
 
@@ -262,7 +265,7 @@ class Engine:
         cannot, so no prompt overtakes it."""
         group, room = [], self.prefill_chunk
         for job in self.prefilling:
-            if not job.echo and len(job.to_read) <= room and packable(job.cache) and not job.cancelled.is_set():
+            if not job.request.echo and len(job.to_read) <= room and packable(job.cache) and not job.cancelled.is_set():
                 group.append(job)
                 room -= len(job.to_read)
             elif not group:
@@ -273,7 +276,7 @@ class Engine:
         size = len(job.to_read) if reads_whole(job.cache) else self.prefill_chunk
         chunk, job.to_read = job.to_read[:size], job.to_read[size:]
         try:
-            logits = read(self.model, chunk, job.cache, all_logits=job.echo, stop=job.cancelled.is_set)
+            logits = read(self.model, chunk, job.cache, all_logits=job.request.echo, stop=job.cancelled.is_set)
         except Abandoned:
             self._drop(job)
             return
@@ -284,18 +287,18 @@ class Engine:
         job.read_logits.append(logits)
         if job.to_read:
             return
-        if job.echo:
+        if job.request.echo:
             logits = torch.cat(job.read_logits)
-            job.emit(PromptLogprobs(prompt_entries(job.prompt_ids, logits, job.logprobs or 0)))
+            job.emit(PromptLogprobs(prompt_entries(job.request.prompt_ids, logits, job.request.logprobs or 0)))
             logits = logits[-1]
         job.read_logits = []
         with self._lock:
             self.prefilling.remove(job)
-            if job.max_tokens == 0:
+            if job.request.max_tokens == 0:
                 self._complete(job, "length", None)
                 return
-            lane = self.lanes.for_rows(job.kv)
-            lane.decoder.join([job.cache], job.max_tokens)
+            lane = self.lanes.for_rows(job.request.kv)
+            lane.decoder.join([job.cache], job.request.max_tokens)
             lane.jobs.append(job)
             lane.logits = logits[None] if lane.logits is None else torch.cat([lane.logits, logits[None]])
         job.cache = None  # the row lives in the lane now
@@ -337,7 +340,10 @@ class Engine:
     def _decode_step(self, lane: Lane) -> None:
         jobs = lane.jobs
         tokens = choose(
-            lane.logits, [j.temperature for j in jobs], [j.top_p for j in jobs], [j.generator for j in jobs]
+            lane.logits,
+            [j.request.temperature for j in jobs],
+            [j.request.top_p for j in jobs],
+            [j.generator for j in jobs],
         )
         leaving: dict[int, str | None] = {}
         for row, (job, token) in enumerate(zip(jobs, tokens.tolist(), strict=True)):
@@ -361,7 +367,11 @@ class Engine:
 
     def _take_token(self, job: Job, token: int, logits: torch.Tensor) -> str | None:
         """Record one sampled token and send its text; the finish reason when the row is done."""
-        entry = token_entry(logits.log_softmax(-1), token, job.logprobs or 0) if job.logprobs is not None else None
+        entry = (
+            token_entry(logits.log_softmax(-1), token, job.request.logprobs or 0)
+            if job.request.logprobs is not None
+            else None
+        )
         if not job.generated:
             self.metrics.ttft.observe(time.perf_counter() - job.started)
         return job.take_token(token, entry)
@@ -373,15 +383,15 @@ class Engine:
         if cache is not None:
             held_tokens = cache.physical_length()
             conversation = Conversation(
-                cache, job.text + self.tokenizer.decode(job.generated), job.generated[-1:], cache.kv_bytes()
+                cache, job.request.text + self.tokenizer.decode(job.generated), job.generated[-1:], cache.kv_bytes()
             )
             self.conversations.keep(conversation)
         usage = {
-            "prompt_tokens": len(job.prompt_ids),
+            "prompt_tokens": len(job.request.prompt_ids),
             "completion_tokens": len(job.generated),
             "cached_tokens": job.cached_tokens,
             "kv_tokens_held": held_tokens,
         }
-        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
         self.metrics.completion_tokens.inc(len(job.generated))
         job.emit(Done(reason, usage, job.shown))

@@ -1,4 +1,4 @@
-"""A request as the engine holds it (`Job`)."""
+"""What a client asked (`GenerationRequest`, immutable) and the engine's state for it (`Job`)."""
 
 from __future__ import annotations
 
@@ -15,30 +15,44 @@ from sparsegen.sampling import StopRule
 from sparsegen.serve.events import Event, Token
 
 
-@dataclass(eq=False)  # a request is itself: compared by identity
-class Job:
-    """One request: what to read, how to decode, and where the worker sends what it makes.
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a client asked, as the API layer validated it: never changed after.
 
-    `emit(event)` is called from the worker thread with the request's events (`serve.events`).
     `text` is the rendered prompt of a chat (for conversation reuse); completions leave it None
-    and always start a fresh cache. `kv` is the request's KV spec (the engine's default when None).
+    and always start a fresh cache. `kv` is the request's KV spec (`Server.check` built it over the
+    engine's default). Sampling values are final: the model's defaults already filled in.
     """
 
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     max_tokens: int
-    emit: Callable[[Event], None]
+    kv: KVSpec
     text: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
-    kv: KVSpec | None = None
+
+    def __post_init__(self) -> None:  # lists from the caller, held as tuples: nothing can change them
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass(eq=False)  # a job is itself: compared by identity
+class Job:
+    """The engine's state for one `request`: where it stands in reading, decoding and admission.
+
+    `emit(event)` is called from the worker thread with the request's events (`serve.events`);
+    `rule` is the stop rule the engine made for it; `cancelled` is set by whoever stops listening.
+    """
+
+    request: GenerationRequest
+    emit: Callable[[Event], None]
+    rule: StopRule
+    kv_need: int  # the most bytes of KV it may hold (`Admission.need`)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # worker state
-    kv_need: int = 0
-    rule: StopRule | None = None
     cache: PolicyCache | None = None
     to_read: list[int] = field(default_factory=list)
     read_logits: list[torch.Tensor] = field(default_factory=list)

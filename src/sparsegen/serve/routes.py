@@ -9,8 +9,8 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from sparsegen.serve.batching import Job
 from sparsegen.serve.events import Done, PromptLogprobs, Token
+from sparsegen.serve.jobs import GenerationRequest, Job
 from sparsegen.serve.schemas import ApiError, ChatRequest, CompletionRequest, error_body
 from sparsegen.serve.server import Server, sse, usage
 
@@ -79,8 +79,8 @@ async def chat(body: ChatRequest, request: Request):
         raise ApiError(400, f"the model's chat template rejected these messages: {exc}", "messages") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     kv = server.check(body, max_tokens, len(ids), minimum=1)
-    job = Job(ids, max_tokens, emit=None, text=text, kv=kv, **body.job_options(server.engine))
-    queue = server.submit(job)
+    asked = GenerationRequest(ids, max_tokens, kv, text=text, **body.sampling(server.engine.sampling))
+    job, queue = server.submit(asked)
     rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": server.model_id}
 
@@ -162,16 +162,15 @@ async def completions(body: CompletionRequest, request: Request):
     rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": now, "model": server.model_id}
 
-    def job_for(ids: list[int]) -> Job:
-        options = {**body.job_options(server.engine), "kv": specs[0], "echo": body.echo}
-        return Job(list(ids), body.max_tokens, emit=None, logprobs=body.logprobs, **options)
+    def asked(ids: list[int]) -> GenerationRequest:
+        options = {**body.sampling(server.engine.sampling), "echo": body.echo, "logprobs": body.logprobs}
+        return GenerationRequest(ids, body.max_tokens, specs[0], **options)
 
     def choice(text: str, finish_reason: str | None = None) -> dict:
         return {**head, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
 
     if body.stream:
-        job = job_for(prompts[0])
-        queue = server.submit(job)
+        job, queue = server.submit(asked(prompts[0]))
         pieces = _streamed(
             server,
             request,
@@ -183,8 +182,7 @@ async def completions(body: CompletionRequest, request: Request):
         )
         return StreamingResponse(pieces, media_type="text/event-stream")
 
-    jobs = [job_for(ids) for ids in prompts]
-    queues = [server.submit(job) for job in jobs]
+    jobs, queues = zip(*(server.submit(asked(ids)) for ids in prompts), strict=True)
 
     async def one(index: int, ids: list[int]) -> dict:
         entries, done = [], None

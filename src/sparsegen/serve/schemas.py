@@ -8,8 +8,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparsegen.serve.batching import Engine
-
 
 class ApiError(Exception):
     def __init__(
@@ -50,11 +48,11 @@ class Sampling(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def job_options(self, engine: Engine) -> dict:
-        """Sampling: the model's generation config where the request says nothing."""
+    def sampling(self, defaults: dict) -> dict:
+        """Sampling settings: `defaults` (the model's generation config) where the request says nothing."""
         return {
-            "temperature": engine.sampling["temperature"] if self.temperature is None else self.temperature,
-            "top_p": engine.sampling["top_p"] if self.top_p is None else self.top_p,
+            "temperature": defaults["temperature"] if self.temperature is None else self.temperature,
+            "top_p": defaults["top_p"] if self.top_p is None else self.top_p,
             "stop": self.stops(),
             "seed": self.seed,
         }

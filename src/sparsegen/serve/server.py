@@ -12,8 +12,9 @@ from fastapi import Request
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.spec import KVSpec
 from sparsegen.serve.admission import QueueFull
-from sparsegen.serve.batching import Engine, Job
+from sparsegen.serve.batching import Engine
 from sparsegen.serve.events import Done, Event, Failed
+from sparsegen.serve.jobs import GenerationRequest, Job
 from sparsegen.serve.schemas import ApiError, Sampling
 
 
@@ -62,18 +63,17 @@ class Server:
             )
         return kv
 
-    def submit(self, job: Job) -> asyncio.Queue:
-        """Hand `job` to the engine; its events arrive on the returned queue. Refusals are API errors."""
+    def submit(self, request: GenerationRequest) -> tuple[Job, asyncio.Queue]:
+        """Hand `request` to the engine: its job, and the queue its events arrive on. Refusals are API errors."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job.emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
         try:
-            self.engine.submit(job)
+            job = self.engine.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except SparsegenError as exc:
             raise ApiError(400, str(exc), "max_tokens", "kv_memory_exceeded") from None
-        return events
+        return job, events
 
     async def events(self, request: Request, job: Job, queue: asyncio.Queue) -> AsyncIterator[Event]:
         """The submitted `job`'s events up to its `Done`; a `Failed` is a server error. Cancels the
