@@ -45,13 +45,13 @@ def test_streaming_h2o_decodes_the_same_tokens_with_and_without_the_rolled_kerne
 
 
 def test_ranks_by_counting_equal_ranks_by_sorting():
-    from sparsegen.decode.state import _ranks
+    from sparsegen.kv.rope import held_ranks
 
     generator = torch.Generator().manual_seed(5)
     positions = torch.stack([torch.randperm(90, generator=generator)[:40] for _ in range(6)]).view(2, 3, 40)
     positions[:, :, ::7] = -1  # free slots
     positions[:, 1, 3] = -2  # a slot beyond the budget
     live = positions >= 0
-    counted = _ranks(live, positions, torch.tensor([90, 95]).view(2, 1, 1))
+    counted = held_ranks(live, positions, torch.tensor([90, 95]).view(2, 1, 1))
     sorted_ = torch.where(live, positions, torch.iinfo(torch.long).max).argsort(-1).argsort(-1)
     assert torch.equal(counted[live], sorted_[live])

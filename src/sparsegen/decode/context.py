@@ -20,7 +20,8 @@ import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import gather_slots
-from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
+from sparsegen.kv.evict import priorities, update_scores, victim
+from sparsegen.kv.policy import PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.slots import EMPTY, HeldSlots
 from sparsegen.kv.spec import policy_step_settings
@@ -116,13 +117,11 @@ class ContextRows:
                 sizes=Sizes(*(getattr(sizes, name)[rows] for name in PARTS)),
                 **{name: value[rows] if name in PER_ROW else value for name, value in step.items() if name != "keys"},
             )
-            update = rule.score(part)
-            if update is not None:
-                part.scores.copy_(update)
+            update_scores(rule, part)
             held = part.positions >= 0
-            victim = rule.priority(part).float().masked_fill(~held, KEEP).argmin(-1, keepdim=True)
+            lowest = victim(priorities(rule, part), held)
             over = held.sum(-1, keepdim=True) > part.sizes.budget
-            held.scatter_(2, victim, held.gather(2, victim) & ~over)
+            held.scatter_(2, lowest, held.gather(2, lowest) & ~over)
             self.live[rows], self.scores[rows] = held[..., :length], part.scores[..., :length]
             scores[rows], positions[rows] = part.scores[..., length:], own.masked_fill(~held[..., length:], EMPTY)
         return (positions == EMPTY).int().argmax(-1, keepdim=True)

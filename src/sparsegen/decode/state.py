@@ -18,10 +18,11 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.decode.context import ContextRows
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.evict import priorities, update_scores, victim
 from sparsegen.kv.kernels import held_mix, held_scores, rolled_scores, slot_attention
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
-from sparsegen.kv.quantized import KVCodec, remember, with_residual
-from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.quantized import KVCodec, remember
+from sparsegen.kv.rope import KeyRotation, roll_deltas
 from sparsegen.kv.slots import EMPTY, HeldSlots, take_slots
 
 DEAD = -2
@@ -184,8 +185,8 @@ class LayerState:
         at full precision (`kv.quantized`)."""
         if self.codec is None:
             return self.keys, self.values
-        keys = with_residual(self.codec.decode(self.keys), self.positions, seen, self.recent_keys)
-        return keys, with_residual(self.codec.decode(self.values), self.positions, seen, self.recent_values)
+        keys = self.codec.read(self.keys, self.positions, seen, self.recent_keys)
+        return keys, self.codec.read(self.values, self.positions, seen, self.recent_values)
 
     def logits(
         self, query: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, scaling: float
@@ -202,7 +203,7 @@ class LayerState:
             sinks = self.rotation.rotate(keys[:, :, : self.sinks], shift.expand(-1, -1, self.sinks))
             parts = (scores_of(query, sinks), scores_of(query, keys[:, :, self.sinks :]))
             return torch.cat(parts, -1) * scaling, keys
-        delta = torch.where(live, shift + _ranks(live, self.positions, seen) - self.positions, 0)
+        delta = roll_deltas(self.positions, seen, live)
         if self.rolled_products and not torch.compiler.is_compiling():  # no rotated copy (`kv.kernels`)
             return rolled_scores(query, keys, delta, self.rotation) * scaling, None
         keys = self.rotation.rotate(keys, delta)
@@ -247,8 +248,7 @@ class LayerState:
         if self.rotation is None or not self.sinks:
             return scores
         sinks = slice(0, self.sinks)
-        keys = self.codec.decode(self.keys[:, :, sinks])
-        keys = with_residual(keys, self.positions[:, :, sinks], seen, self.recent_keys)
+        keys = self.codec.read(self.keys[:, :, sinks], self.positions[:, :, sinks], seen, self.recent_keys)
         shift = seen - (self.positions >= 0).sum(-1, keepdim=True)
         rotated = self.rotation.rotate(keys, shift.expand(-1, -1, self.sinks))
         return torch.cat([scores_of(query, rotated), scores[..., self.sinks :]], -1)
@@ -275,15 +275,11 @@ class LayerState:
                 sizes=self.sizes,
                 weights=probs.view(b, hq, 1, -1),
             )
-            scores = self.policy.score(step)
-            if scores is not None:
-                self.scores.copy_(scores)
-            priority = self.policy.priority(step).float()
+            update_scores(self.policy, step)
+            priority = priorities(self.policy, step)
         else:
             priority = torch.full_like(self.scores, KEEP)
-        priority = priority.masked_fill(self.positions == DEAD, KEEP)
-        priority = priority.masked_fill(self.positions == EMPTY, float("-inf"))
-        self.slot.copy_(priority.argmin(-1, keepdim=True))
+        self.slot.copy_(victim(priority, held=self.positions != DEAD, free=self.positions == EMPTY))
         put_in_slots(self.positions, self.slot, EMPTY)
 
 
@@ -314,18 +310,6 @@ def put_in_slots(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor | f
     b, h = slot.shape[:2]
     at = (torch.arange(b, device=slot.device).view(b, 1, 1), torch.arange(h, device=slot.device).view(1, h, 1), slot)
     buffer.index_put_(at, new if isinstance(new, torch.Tensor) else buffer.new_full((), new))
-
-
-def _ranks(live: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """Each live slot's rank among its row's live slots by position [b, h, C]: on a CPU, eagerly,
-    by counting the live positions below it (far cheaper than two sorts a layer each step); else
-    by sorting (a traced graph; a GPU, which the count's size check would stall)."""
-    if torch.compiler.is_compiling() or not positions.is_cpu:
-        return torch.where(live, positions, torch.iinfo(torch.long).max).argsort(-1).argsort(-1)
-    top = int(seen.max())  # above every held position
-    index = torch.where(live, positions, top)
-    marks = positions.new_zeros(*positions.shape[:2], top + 1).scatter_(2, index, live.long())
-    return (marks.cumsum(-1) - marks).gather(2, index)
 
 
 @dataclass

@@ -13,9 +13,10 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import ragged
-from sparsegen.kv.policy import KEEP, Policy, Sizes, Step
-from sparsegen.kv.quantized import RESIDUAL, KVCodec, remember, with_residual
-from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.evict import keep_best, priorities, update_scores, victim
+from sparsegen.kv.policy import Policy, Sizes, Step
+from sparsegen.kv.quantized import RESIDUAL, KVCodec, remember
+from sparsegen.kv.rope import KeyRotation, roll_deltas
 
 
 def room_for(budget: int) -> int:
@@ -142,7 +143,7 @@ class PolicyLayer(CacheLayerMixin):
             return held
         head_of = None if self.head_of is None else self.head_of[:, :, : self.size]
         positions = self.positions[:, :, : self.size]
-        held = with_residual(self.codec.decode(held, self.dtype), positions, self.cumulative_length, recent, head_of)
+        held = self.codec.read(held, positions, self.cumulative_length, recent, head_of, self.dtype)
         if new is not None and new.shape[2] > RESIDUAL:  # the new tokens are the last slots
             held[:, :, self.size - new.shape[2] :] = new
         return held
@@ -163,7 +164,9 @@ class PolicyLayer(CacheLayerMixin):
             return keys
         if not self.policy.contiguous:
             head_of = None if self.head_of is None else self.head_of[:, :, : self.size]
-            return self.rotation.roll(keys, self.positions[:, :, : self.size], self.cumulative_length, head_of)
+            return self.rotation.roll(
+                keys, roll_deltas(self.positions[:, :, : self.size], self.cumulative_length, head_of=head_of)
+            )
         # A contiguous policy holds the sinks plus a run of the newest tokens:
         # only the sinks move, all by the same delta. Sinks keep slots [0, sinks) (never evicted,
         # compaction keeps slot order), so they are rotated in place (in the buffer itself at full
@@ -303,28 +306,22 @@ class PolicyLayer(CacheLayerMixin):
             reconstruction=reconstruction,
             _received={} if received is None else received,
         )
-        scores = self.policy.score(step)
-        if scores is not None:
-            self.scores[:, :, held] = scores
-            step.scores = self.scores[:, :, held]
+        update_scores(self.policy, step)
         if self.sizes is None:
             return
         if self.policy.prefill_only:
             self.compressed = True
         if self.size <= self.sizes.budget:
             return
-        priority = self.policy.priority(step)
-        if self.pinned:
-            priority = priority.masked_fill(step.positions < self.pinned, KEEP)
+        priority = priorities(self.policy, step, self.pinned)
         budget = self.sizes.budget
         if self.policy.head_adaptive:
             self.hold_packed(ragged.pack(self.held_slots(), ragged.select_across_heads(priority, budget)))
         elif self.size - budget == 1 and not self.compressed:
-            self.hole = priority.argmin(-1, keepdim=True)
+            self.hole = victim(priority)
             self.size -= 1
         else:
-            keep = priority.topk(budget, dim=-1).indices.sort(-1).values
-            self._keep(keep, budget + room_for(budget) if self.compressed else budget + 1)
+            self._keep(keep_best(priority, budget), budget + room_for(budget) if self.compressed else budget + 1)
 
     def held_slots(self) -> dict[str, torch.Tensor]:
         """The held part of the per-slot buffers, by name."""

@@ -154,6 +154,20 @@ class KVCodec:
         params = params.reshape(*lead, dim // self.group, 2, 1)
         return self.unrotate((codes * params[..., 0, :] + params[..., 1, :]).reshape(*lead, dim)).to(dtype)
 
+    def read(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        seen: int | torch.Tensor,
+        recent: torch.Tensor,
+        head_of: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """Held byte `rows` [b, h, n, width] at `positions` as numbers: decoded, the newest tokens
+        of each row (of `seen`) read from the `recent` ring at full precision instead
+        (`with_residual`). The one quantized read of the drop-in cache and the fast path."""
+        return with_residual(self.decode(rows, dtype), positions, seen, recent, head_of)
+
 
 def remember(recent: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> None:
     """Write new tokens' keys or values [b, h, n, d] at `positions` [b, h, n] into the ring

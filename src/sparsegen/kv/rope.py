@@ -60,29 +60,57 @@ class KeyRotation:
         rotated = (rot * cos + rotate_half(rot) * sin).to(keys.dtype)
         return torch.cat((rotated, rest), -1) if rest.shape[-1] else rotated
 
-    def roll(
-        self, keys: torch.Tensor, positions: torch.Tensor, length: int, head_of: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Keys [b, h, n, d] at original `positions` [b, h, n] moved to positions within the cache
-        (the held tokens of each head in order, the last at `length - 1`). `head_of` [b, 1, n]
-        tags flat slots of heads that share a budget (`kv.ragged`): each head rolls on its own."""
-        held = positions.shape[-1]
-        sort_key = positions if head_of is None else head_of * (length + 1) + positions
-        order = sort_key.argsort(-1)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(held, device=order.device).expand_as(order))
-        count = torch.full_like(positions, held)
-        if head_of is not None:
-            per_head = torch.zeros(*head_of.shape[:2], int(head_of.max()) + 1, dtype=torch.long, device=head_of.device)
-            per_head.scatter_add_(-1, head_of, torch.ones_like(head_of))
-            rank = rank - (per_head.cumsum(-1) - per_head).gather(-1, head_of)
-            count = per_head.gather(-1, head_of)
-        delta = length - count + rank - positions
+    def roll(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """`keys` [b, h, n, d] with those whose `delta` (`roll_deltas`) is not zero rotated by it:
+        a copy (the stored keys never change), or `keys` themselves where none moves."""
         moved = delta.nonzero(as_tuple=True)
         if moved[0].numel() == 0:
             return keys
         out = keys.clone()
         out[moved] = self.rotate(keys[moved], delta[moved])
         return out
+
+
+def roll_deltas(
+    positions: torch.Tensor,
+    seen: int | torch.Tensor,
+    live: torch.Tensor | None = None,
+    head_of: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """How far each held key moves [b, h, n] from its original position (`positions`) to its
+    place within the cache: the held tokens of each row and head in order, the newest at `seen - 1`
+    (`seen`: tokens read, an int or [b, 1, 1]). Slots not `live` (free or unused; all live when
+    None) do not move. `head_of` [b, 1, n] tags flat slots of heads sharing a budget (`kv.ragged`):
+    each head rolls on its own. The one rule for rolling positions, in every path that holds keys."""
+    if head_of is not None:
+        rank, count = _ranks_per_head(positions, seen, head_of)
+        return seen - count + rank - positions
+    live = torch.ones_like(positions, dtype=torch.bool) if live is None else live
+    count = live.sum(-1, keepdim=True)
+    return torch.where(live, seen - count + held_ranks(live, positions, seen) - positions, 0)
+
+
+def held_ranks(live: torch.Tensor, positions: torch.Tensor, seen: int | torch.Tensor) -> torch.Tensor:
+    """Each live slot's rank among its row's live slots by position [b, h, n]: on a CPU, eagerly,
+    by counting the live positions below it (far cheaper than two sorts a layer each step); else
+    by sorting (a traced graph; a GPU, which the count's size check would stall)."""
+    if torch.compiler.is_compiling() or not positions.is_cpu:
+        return torch.where(live, positions, torch.iinfo(torch.long).max).argsort(-1).argsort(-1)
+    top = int(seen.max()) if isinstance(seen, torch.Tensor) else int(seen)  # above every held position
+    index = torch.where(live, positions, top)
+    marks = positions.new_zeros(*positions.shape[:2], top + 1).scatter_(2, index, live.long())
+    return (marks.cumsum(-1) - marks).gather(2, index)
+
+
+def _ranks_per_head(positions: torch.Tensor, seen: int, head_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each flat slot's rank among its head's slots by position, and its head's count [b, 1, n]."""
+    order = (head_of * (seen + 1) + positions).argsort(-1)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )
+    per_head = torch.zeros(*head_of.shape[:2], int(head_of.max()) + 1, dtype=torch.long, device=head_of.device)
+    per_head.scatter_add_(-1, head_of, torch.ones_like(head_of))
+    return rank - (per_head.cumsum(-1) - per_head).gather(-1, head_of), per_head.gather(-1, head_of)
 
 
 def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
