@@ -33,14 +33,18 @@ def build_app(
     and held conversation (counted in its spec's `kv_bits` where a request holds its KV rounded); up to
     `max_queue` requests wait for room, later ones get a 429. `activation_bits=8` loads an int4
     checkpoint with integer-dot products (`sparsegen.load`). `compile=True` compiles the batched
-    decode step in the background while the engine answers eagerly (`serve.compiling`); `/health`
-    says which step serves (`step`: compiling, compiled or eager).
+    decode step in the background while the engine answers eagerly (`serve.compiling`; for a model
+    named by `model`, a child process compiles it first: `serve.precompile`); `/health` says which
+    step serves (`step`: compiling, compiled or eager).
     """
     from sparsegen.loading import load
+    from sparsegen.serve.precompile import in_child
 
+    kv = KVSpec.coerce(kv)
     network, tokenizer = (
         load(model, device=device, activation_bits=activation_bits) if isinstance(model, str) else model
     )
+    first = in_child(model, kv, device=device, activation_bits=activation_bits) if isinstance(model, str) else None
     engine = Engine(
         network,
         tokenizer,
@@ -49,6 +53,7 @@ def build_app(
         prefill_chunk=prefill_chunk,
         max_queue=max_queue,
         compile=compile,
+        compile_first=first,
     )
     limit = network.config.get_text_config(decoder=True).max_position_embeddings
     name = model_id or (model if isinstance(model, str) else "sparsegen")

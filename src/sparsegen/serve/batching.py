@@ -63,11 +63,13 @@ class Engine:
         prefill_chunk: int = 512,
         max_queue: int = 64,
         compile: bool = False,
+        compile_first: Callable[[], None] | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         # a CPU's step only: a GPU's compiled step replays CUDA graphs of one shape each (untested here)
         self.compile = compile and self.device.type == "cpu"
+        self.compile_first = compile_first  # fills the compile caches before the thread compiles (`serve.precompile`)
         self.kv = KVSpec.coerce(kv)  # the requests' default; bad settings failed in building it
         self.prefill_chunk = prefill_chunk
         self.memory: MemoryBound | None = None  # stated once the engine is ready (`serve.memory`)
@@ -166,7 +168,7 @@ class Engine:
         self.patched = use_gemv(self.model, rows_vary=True, packed=self.packed)
         make = partial(self._decoder, compiled=True)
         notify = partial(print, file=sys.stderr)
-        self.compiling = BackgroundCompile(make, self.kv, notify)
+        self.compiling = BackgroundCompile(make, self.kv, notify, self.compile_first)
 
     def _serve(self) -> None:
         while self._running:

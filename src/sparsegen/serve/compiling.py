@@ -34,9 +34,11 @@ def warm(decoder: Decoder) -> None:
 class BackgroundCompile:
     """A thread that builds and warms one compiled `Decoder` for the KV spec `kv`.
 
-    `ready` is set when it is done, compiled or failed (`notify` says why, and the engine keeps
-    stepping eagerly). `take()` hands the decoder over once. `cancel()` (the engine closing)
-    makes a decoder that finishes later give the model back instead of being handed over.
+    `first` (`serve.precompile.in_child`) runs before, to fill the compile caches from another
+    process; if it fails the thread compiles from nothing. `ready` is set when it is done,
+    compiled or failed (`notify` says why, and the engine keeps stepping eagerly). `take()` hands
+    the decoder over once. `cancel()` (the engine closing) makes a decoder that finishes later
+    give the model back instead of being handed over.
     """
 
     def __init__(
@@ -44,8 +46,9 @@ class BackgroundCompile:
         make_decoder: Callable[[KVSpec], Decoder],
         kv: KVSpec,
         notify: Callable[[str], None],
+        first: Callable[[], None] | None = None,
     ) -> None:
-        self.kv = kv
+        self.kv, self._first = kv, first
         self.ready = threading.Event()
         self._make_decoder, self._notify = make_decoder, notify
         self._decoder: Decoder | None = None
@@ -55,6 +58,11 @@ class BackgroundCompile:
         self._thread.start()
 
     def _run(self) -> None:
+        if self._first is not None:
+            try:
+                self._first()
+            except Exception as exc:  # noqa: BLE001 - the compile below still runs, from nothing
+                self._notify(f"compiling in a child process failed ({type(exc).__name__}: {exc}); compiling here")
         decoder = self._make_decoder(self.kv)
         try:
             with torch.inference_mode():
