@@ -58,7 +58,9 @@ def test_stream_with_a_budget_over_the_text_equals_the_dense_forward(gguf_model,
     ids = _prompt(23, seed=3)
     with torch.no_grad():
         dense = model(ids).logits
-    logits = torch.cat([step.logits for step in stream(model, ids, policy, chunk=5, **TABLE[policy].large)], 1)
+    logits = torch.cat(
+        [step.logits for step in stream(model, ids, KVSpec.of(policy, **TABLE[policy].large), chunk=5)], 1
+    )
     # the products round each row's inputs to 8 bits: a float-order difference before the rounding
     # (chunked reads against one) can move a code by one step, ~1e-2 in a logit here
     torch.testing.assert_close(logits, dense, rtol=0, atol=5e-2)
