@@ -22,8 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from sparsegen.bench.measure import rss_mb, weight_bytes
+from sparsegen.bench.measure import weight_bytes
 from sparsegen.errors import SparsegenError
+from sparsegen.rss import rss_mb
 
 STARTUP_S = 900  # a cold start compiles the batched step (vLLM its own graph): minutes
 COLUMNS = [
