@@ -44,7 +44,7 @@ LAYERS = (  # top row first: docs/architecture.md draws the same table
     "__init__.py  catalog.py",
     "serve/  bench/  scale/",
     "eval/",
-    "loading.py  prompt/",
+    "loading.py  random_model.py  prompt/",
     "gguf_model.py",
     "contextual/  quant/",
     "decode/  prune/",

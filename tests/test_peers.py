@@ -3,8 +3,8 @@ itself runs llama.cpp and vLLM for minutes: `docs/benchmarks.md`)."""
 
 from pathlib import Path
 
-from sparsegen.bench.peer_envs import PeerEnv, _name_vllm_cpu, peer_python
-from sparsegen.bench.peers import _leading_equal, _median_round
+from sparsegen.bench.peers.envs import PeerEnv, _name_vllm_cpu, peer_python
+from sparsegen.bench.peers.run import _leading_equal, _median_round
 
 
 def test_a_missing_peer_is_skipped_with_the_flag_that_installs_it(tmp_path, monkeypatch):
@@ -56,7 +56,7 @@ def test_each_decode_row_is_its_median_round_with_the_range_of_all():
 
 
 def test_serving_points_alternate_the_servers_and_show_each_at_its_median_round(monkeypatch):
-    import sparsegen.bench.peers as peers
+    import sparsegen.bench.peers.run as peers
     from tests.conftest import build_tiny, tiny_tokenizer
 
     model, tokenizer = build_tiny("llama"), tiny_tokenizer()
@@ -95,7 +95,7 @@ def test_gguf_agreement_counts_equal_choices_and_each_perplexity():
 
     import pytest
 
-    from sparsegen.bench.same_gguf import agreement
+    from sparsegen.bench.peers.same_gguf import agreement
     from sparsegen.errors import SparsegenError
 
     ours = {"top1": [1, 2, 3, 4], "nll": [0.5, 1.0, 1.5, 2.0]}

@@ -1,8 +1,11 @@
 """`sparsegen eval ruler`: RULER's generators and metrics, one prefill per sample, resuming."""
 
 import json
+import math
 
 import pytest
+import torch
+from transformers import DynamicCache
 
 from sparsegen.eval import ruler
 from sparsegen.eval.ruler import RulerSettings, clean, kept_tokens, ruler_job
@@ -111,6 +114,108 @@ def test_kv_bits_hold_every_cell_in_that_many_bits_and_older_results_files_resum
     (tmp_path / "plain" / "results.json").write_text(json.dumps(saved))
     monkeypatch.setattr(ruler, "score_sample", lambda *args: pytest.fail("a finished sample was scored again"))
     assert ruler_job(model, tokenizer, plain, tmp_path / "plain", progress=False) == first
+
+
+def _held_by_cell(monkeypatch) -> dict[str, list[dict]]:
+    """What each cell's cache holds when its decode starts (per policy name, per layer: the slots'
+    positions, keys and values as stored, and the layer's codec), read as `generate` receives it."""
+    import sparsegen.decode
+
+    seen, generate = {}, sparsegen.decode.generate
+
+    def spy(model, prompts, steps, policy, *args, held: list, **kwargs):
+        for cache in held:
+            layers = [(layer.held_slots(), layer.codec) for layer in cache.policy_layers()]
+            seen[cache.policy.name] = [{**{k: v.clone() for k, v in s.items()}, "codec": c} for s, c in layers]
+        return generate(model, prompts, steps, policy, *args, held=held, **kwargs)
+
+    monkeypatch.setattr(sparsegen.decode, "generate", spy)
+    return seen
+
+
+@torch.inference_mode()
+def _hf_reference(model, context: list[int], question: list[int], keep: int | None, steps: int):
+    """transformers' own model over a `DynamicCache` cut to its newest `keep` tokens before every
+    forward (a window of `keep` at original positions; None keeps all): the context's keys and
+    values per layer [h, S, d] and the greedy answer's first `steps` tokens."""
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor([context]), cache=cache, use_cache=True)
+    context_kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
+    seen, ids, answer = len(context), question, []
+    for _ in range(steps):
+        for layer in cache.layers if keep is not None else ():
+            layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+        positions = torch.arange(seen, seen + len(ids))[None]
+        logits = model(torch.tensor([ids]), cache=cache, position_ids=positions, use_cache=True).logits
+        seen, ids = seen + len(ids), [int(logits[0, -1].argmax())]
+        answer.append(ids[0])
+    return context_kv, answer
+
+
+def _sample_ids(tokenizer) -> tuple[list[int], list[int]]:
+    sample = _fixed_samples(tokenizer, "niah_single_1", 400, 1, 42, None)[0]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (sample.context, sample.question)]
+
+
+def test_a_policy_cell_holds_its_budget_and_answers_from_it_not_from_the_full_cache(monkeypatch, tmp_path):
+    """At ratio 0.5 each evicting cell holds kept_tokens positions per head, window the newest ones,
+    with the keys and values transformers computes for them; window answers as transformers does
+    over a cache cut back to its newest `budget` tokens before every forward, `full` as it does over
+    the whole cache, and every evicting cell answers otherwise than `full`."""
+    model, tokenizer = build_tiny("llama"), tiny_tokenizer()
+    monkeypatch.setattr(ruler, "make_samples", _fixed_samples)
+    held = _held_by_cell(monkeypatch)
+    records = ruler_job(model, tokenizer, _settings(policies=("full", "window", "h2o"), ratios=(0.5,)), tmp_path, False)
+    answers = {r["policy"]: r["prediction"] for r in records}
+    context, question = _sample_ids(tokenizer)
+    length, budget = len(context), kept_tokens(len(context), 0.5)
+    assert {r["context_tokens"] for r in records} == {length} and budget < length
+    context_kv, full_answer = _hf_reference(model, context, question, None, 12)
+    _, window_answer = _hf_reference(model, context, question, budget, 12)
+    kept = {"full": range(length), "window": range(length - budget, length)}
+    for name, layers in held.items():
+        for layer, (keys, values) in zip(layers, context_kv, strict=True):
+            positions = layer["positions"][0]
+            assert positions.shape[-1] == len(kept.get(name, range(budget)))
+            assert all(sorted(row) == sorted(set(row)) for row in positions.tolist())  # no position twice
+            if name in kept:
+                assert all(sorted(row) == list(kept[name]) for row in positions.tolist())
+            index = positions[..., None].expand(-1, -1, keys.shape[-1])
+            torch.testing.assert_close(layer["keys"][0], keys.gather(1, index), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(layer["values"][0], values.gather(1, index), atol=1e-5, rtol=1e-4)
+    heavy = [layer["positions"].sort(-1).values for layer in held["h2o"]]
+    assert any(not torch.equal(h, torch.arange(length - budget, length).expand_as(h)) for h in heavy)
+    assert answers["full"].split()[:12] == tokenizer.decode(full_answer).split()
+    assert answers["window"].split()[:12] == tokenizer.decode(window_answer).split()
+    assert answers["window"] != answers["full"] and answers["h2o"] != answers["full"]
+
+
+def test_kv_bits_hold_each_cell_as_rounded_bytes_and_the_answer_reads_them(monkeypatch, tmp_path):
+    """In 4 bits a held key or value is d/2 bytes of codes plus an fp16 scale and minimum per
+    group of up to 32 channels, where full precision holds 4 d bytes; decoded, it is off from
+    transformers' own vector by more than nothing and by at most what rounding to 15 steps of its
+    range allows (range <= 2 |x| under any orthogonal rotation: |error| <= sqrt(d) |x| / 15); and
+    the answer read from those bytes is not the full-precision one."""
+    model, tokenizer = build_tiny("llama"), tiny_tokenizer()
+    monkeypatch.setattr(ruler, "make_samples", _fixed_samples)
+    held = _held_by_cell(monkeypatch)
+    exact = ruler_job(model, tokenizer, _settings(policies=("full",)), tmp_path / "exact", False)
+    exact_layer = held.pop("full")[0]
+    dim = exact_layer["keys"].shape[-1]
+    assert exact_layer["codec"] is None and exact_layer["keys"].dtype == torch.float32 and dim == 16
+    four = ruler_job(model, tokenizer, _settings(policies=("full",), kv_bits=4), tmp_path / "four", False)
+    context, question = _sample_ids(tokenizer)
+    context_kv, _ = _hf_reference(model, context, question, None, 1)
+    worst = 0.0
+    for layer, reference in zip(held["full"], context_kv, strict=True):
+        assert layer["positions"][0].tolist() == [list(range(len(context)))] * len(layer["positions"][0])
+        for stored, truth in zip((layer["keys"], layer["values"]), reference, strict=True):
+            assert stored.dtype == torch.uint8 and stored.shape[-1] == dim // 2 + 4 * math.ceil(dim / 32)
+            error = (layer["codec"].decode(stored[0]) - truth).norm(dim=-1)
+            assert bool((error <= math.sqrt(dim) * truth.norm(dim=-1) / 15 * 1.01 + 1e-4).all())
+            worst = max(worst, float((error / truth.norm(dim=-1)).max()))
+    assert worst > 1e-3  # rounded, not held exactly
+    assert four[0]["kv_bits"] == 4 and four[0]["prediction"] != exact[0]["prediction"]
 
 
 @pytest.mark.slow  # RULER's generator runs in a process of its own

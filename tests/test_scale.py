@@ -12,7 +12,6 @@ from conftest import build_tiny, tiny_tokenizer
 from safetensors.torch import load_file
 
 from sparsegen import load
-from sparsegen.bench.synthetic import write_random_llama
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.perplexity import windowed_ppl
 from sparsegen.layerwise import Hidden
@@ -20,6 +19,7 @@ from sparsegen.prune import PRUNERS, prune
 from sparsegen.prune.checkpoint import save_pruned
 from sparsegen.quant import QUANTIZERS, quantize
 from sparsegen.quant.checkpoint import finish_quantized, save_quantized
+from sparsegen.random_model import write_random_llama
 from sparsegen.scale import DiskBlocks, open_lazy
 
 
@@ -177,7 +177,7 @@ def test_a_model_of_hundreds_of_mb_prunes_from_disk_holding_a_fraction_of_it(tmp
     probe = (
         "import atexit, os, sys; import sparsegen.cli, sparsegen.scale.disk, sparsegen.prune;"
         "from transformers import LlamaForCausalLM;"
-        "from sparsegen.bench.measure import peak_rss_mb, rss_mb; base = rss_mb(os.getpid());"
+        "from sparsegen.rss import peak_rss_mb, rss_mb; base = rss_mb(os.getpid());"
         "atexit.register(lambda: print('RSS', base, peak_rss_mb(), file=sys.stderr));"
         "sys.argv = ['sparsegen', *sys.argv[1:]]; sparsegen.cli.main()"
     )

@@ -16,9 +16,9 @@ import torch
 from sparsegen.bench.kv import bytes_per_step, generate_latency
 from sparsegen.bench.measure import in_process as _in_process
 from sparsegen.bench.measure import read_bandwidth_gbs, weight_bytes
+from sparsegen.bench.peers.llamacpp import llama_cpp_row
 from sparsegen.bench.quantized import (
     integer_dot_quality_worker,
-    llama_cpp_row,
     quality_worker,
     quantized_checkpoints,
 )
@@ -45,9 +45,9 @@ def fast_decode_worker(
     """Per-step time of the fast path after `context` tokens per row under the KV spec `kv` (a
     packed checkpoint's products as integer dots with `activation_bits=8`), and the first row's tokens."""
 
-    from sparsegen.bench.measure import peak_rss_mb
     from sparsegen.decode import generate
     from sparsegen.loading import load
+    from sparsegen.rss import peak_rss_mb
 
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, dtype=DTYPES[dtype], device=device, activation_bits=activation_bits)

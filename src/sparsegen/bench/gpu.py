@@ -19,7 +19,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 from sparsegen.bench.measure import read_bandwidth_gbs, weight_bytes
-from sparsegen.bench.synthetic import llama_config
 from sparsegen.contextual import densify, sparsify
 from sparsegen.decode import generate
 from sparsegen.ioutil import write_json, write_text
@@ -30,6 +29,7 @@ from sparsegen.models import default_dtype, pick_device
 from sparsegen.prune import prune
 from sparsegen.prune.accelerate import SemiStructuredLinear, sparse_form
 from sparsegen.prune.pruner import Pattern, mask_lowest
+from sparsegen.random_model import llama_config
 from sparsegen.report import markdown_table, run_meta
 
 COLUMNS = [("what", "what"), ("setting", "setting"), ("batch", "batch"), ("tokens_per_s", "tokens/s"),

@@ -55,9 +55,10 @@ def generate_latency(
     """Per-token latency of generate() after `context` tokens: a streaming cache of `cache_size`, or dense."""
     from transformers import DynamicCache, LogitsProcessorList
 
-    from sparsegen.bench.measure import TokenClock, peak_rss_mb
+    from sparsegen.bench.measure import TokenClock
     from sparsegen.kv import make_cache, policy_attention
     from sparsegen.kv.spec import KVSpec
+    from sparsegen.rss import peak_rss_mb
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, context, device=device)
@@ -79,7 +80,7 @@ def generate_latency(
 
 def _recompute_worker(model_name: str, text: str, window: int, repeats: int, threads: int, device: str | None = None):
     """Per-token latency of the sliding window with re-computation: a fresh forward over W tokens."""
-    from sparsegen.bench.measure import peak_rss_mb
+    from sparsegen.rss import peak_rss_mb
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, window + repeats, device=device)
@@ -103,9 +104,9 @@ def _stream_rss_worker(
     device: str | None = None,
 ):
     """RSS along a long stream through a streaming cache (text repeated as needed)."""
-    from sparsegen.bench.measure import current_rss_mb
     from sparsegen.kv import make_cache, policy_attention
     from sparsegen.kv.spec import KVSpec
+    from sparsegen.rss import current_rss_mb
 
     torch.set_num_threads(threads)
     model, ids = _prefix(model_name, text, min(tokens, 400_000), device=device)

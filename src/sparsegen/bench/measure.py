@@ -1,4 +1,6 @@
-"""Measurement helpers: per-token decode latency inside generate(), and memory."""
+"""The harnesses' measuring tools: per-token decode latency inside generate(), the bytes a step reads
+of the weights, the machine's read bandwidth, a run in a fresh process. Resident memory is
+`sparsegen.rss` (the server reads it too)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,6 @@ import time
 
 import torch
 from transformers import LogitsProcessor
-
-from sparsegen.rss import current_rss_mb, peak_rss_mb, rss_mb  # noqa: F401  (the bench modules' memory readings)
 
 
 class TokenClock(LogitsProcessor):

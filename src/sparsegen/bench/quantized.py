@@ -1,20 +1,13 @@
 """The quantized rows of `sparsegen bench decode`: int8 and int4 checkpoints of the model decoding
-packed, their perplexity against their own dequantized selves, and llama.cpp on the model's GGUF.
-
-llama.cpp runs through llama-cpp-python installed in its own environment (`--llama-cpp PYTHON`),
-fed the same prompt token ids, at the same number of threads.
+packed and their perplexity against their own dequantized selves (llama.cpp beside them on the
+model's GGUF is `peers.llamacpp`).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
-
-from sparsegen.errors import SparsegenError
 
 # What each row quantizes: RTN, asymmetric, at the default group size of its bits (int4: 128
 # inputs, 96 on SmolLM2's 576-wide rows, run as groups of 32; int8: one scale a row).
@@ -67,38 +60,3 @@ def integer_dot_quality_worker(folder: str, text: str, tokens: int, threads: int
         ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)
         result[f"ppl_{label}"] = stream_ppl(model, ids, "full", chunk=MAX_ROWS, progress=False).ppl
     return {**result, "ppl_change": result["ppl_integer_dot"] / result["ppl_weight_only"] - 1, "tokens": tokens}
-
-
-def llama_cpp_row(
-    python: str,
-    model_name: str,
-    prompt: list[int],
-    new_tokens: int,
-    threads: int,
-    gguf: Path | None = None,
-    flash: bool = False,
-) -> dict:
-    """llama.cpp decoding a GGUF (`gguf`, else the model's own file) after `prompt`, in the
-    interpreter `python`, with its flash attention on or off."""
-    from gguf import GGUFReader
-
-    from sparsegen.loading import gguf_file
-
-    path = gguf or gguf_file(model_name)
-    worker = Path(__file__).with_name("llamacpp_worker.py")
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as ids:
-        json.dump(prompt, ids)
-        ids.flush()
-        done = subprocess.run(
-            [python, str(worker), str(path), ids.name, str(new_tokens), str(threads), "1" if flash else "0"],
-            capture_output=True,
-            text=True,
-        )
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SparsegenError(f"llama.cpp failed under {python} ({last}); is llama-cpp-python installed there?")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    tensors = GGUFReader(str(path)).tensors
-    kinds = sorted({t.tensor_type.name for t in tensors})
-    weight_mb = sum(int(t.n_bytes) for t in tensors) / 1e6
-    return {**result, "weight_mb": weight_mb, "gguf": f"{path.name} ({', '.join(kinds)})"}

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from sparsegen.bench.measure import rss_mb, weight_bytes
+from sparsegen.bench.measure import weight_bytes
 from sparsegen.errors import SparsegenError
+from sparsegen.rss import rss_mb
 
 if TYPE_CHECKING:
     from sparsegen.kv.spec import KVSpec

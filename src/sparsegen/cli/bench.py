@@ -212,9 +212,9 @@ def bench_random_model_command(
     """Write a random-weight Llama of a real shape, one block at a time (to measure the from-disk path)."""
     from transformers import AutoTokenizer
 
-    from sparsegen.bench.synthetic import write_random_llama
     from sparsegen.loading import tokenizer_source
     from sparsegen.models import dtype_named
+    from sparsegen.random_model import write_random_llama
 
     loaded = AutoTokenizer.from_pretrained(tokenizer_source(tokenizer))
     folder = write_random_llama(out_dir, shape, loaded, dtype_named(dtype), seed, device=device)
@@ -287,7 +287,7 @@ def bench_peers_command(
     """sparsegen against llama.cpp on the model's own GGUF file (batch-1 decode, prompt reads, next-token
     choices; the default model's RTN checkpoints too) and vLLM's CPU build (`sparsegen serve` with 1 and
     N clients), every greedy answer compared."""
-    from sparsegen.bench.peers import bench_peers
+    from sparsegen.bench.peers.run import bench_peers
 
     if device not in (None, "cpu"):
         raise SparsegenError(f"bench peers compares CPU builds (llama.cpp, vLLM-CPU): use --device cpu, not {device}")

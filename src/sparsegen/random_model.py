@@ -1,6 +1,8 @@
 """Random-weight Llama checkpoints of real shapes, written one block at a time: the models larger
 than RAM that the from-disk path is measured on (their numbers say what memory and time cost,
-not quality)."""
+not quality). `sparsegen bench random-model` writes them, `bench gpu` builds its shapes, and the
+tests write the `tiny` one; it sits outside bench/ so that none of them needs the harnesses.
+"""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ dependencies beyond torch and transformers). The environment used:
     /tmp/kvpvenv/bin/pip install torch==2.13.0
     /tmp/kvpvenv/bin/pip install kvpress==0.5.5 "transformers>=5.2,<5.3"   # resolves to 5.2.0
 
-    python -m sparsegen.bench.compare_kvpress --kvpress-python /tmp/kvpvenv/bin/python \\
+    python -m sparsegen.bench.peers.compare_kvpress --kvpress-python /tmp/kvpvenv/bin/python \\
         --tasks niah_single_1,niah_single_2 --length 4096 --samples 1 --ratios 0.5,0.75 --out results/kvpress
 
 Both sides read the default model's fp32 safetensors folder (transformers 5.2 reads its config as
