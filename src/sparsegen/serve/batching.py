@@ -355,7 +355,7 @@ class Engine:
         with self._lock:
             for row, reason in leaving.items():
                 if reason is not None:
-                    self._complete(jobs[row], reason, lane.decoder.hand_back(row) if jobs[row].text else None)
+                    self._complete(jobs[row], reason, lane.decoder.hand_back(row) if jobs[row].request.text else None)
                 else:  # the client is gone
                     self.admission.release(jobs[row])
             if leaving:
