@@ -7,7 +7,9 @@ weighted by h, reading no other memory. With several rows, their kept sets are u
 batching). Longer inputs (prefill, teacher-forced evaluation) take the masked path: the dense MLP
 with each token's unkept neurons zeroed, which is what the gathered path computes token by token.
 A static selector's rows are gathered once, at construction: a smaller dense MLP. On a GPU the
-gathers are Triton kernels (`sparsegen.kernels.gather`) that read only the kept rows.
+gathers are Triton kernels (`sparsegen.kernels.gather`) that read only the kept rows. On a CPU,
+`fused` (set by `contextual.fused.fuse`) replaces the gathers with one kernel over neuron-major
+records of the weights.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SparseMLP(nn.Module):
         paired = parts.up.weight if parts.gate is None else torch.stack([parts.gate.weight, parts.up.weight], 1)
         self.register_buffer("paired", paired.detach().reshape(parts.neurons, -1).contiguous(), persistent=False)
         self.down_bias = parts.down.bias
+        self.fused: nn.Module | None = None  # a `contextual.fused.FusedMLP`, set by `fuse`
         self.compact: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
         kept = getattr(selector, "kept", None)
         if kept is not None:
@@ -97,6 +100,8 @@ class SparseMLP(nn.Module):
             return self.parts.down(self._activated(self.up(rows), self.gate(rows) if self.gate is not None else None))
         if rows.is_cuda:
             return self._gathered_on_gpu(rows, index, gate_act)
+        if self.fused is not None:  # gated, no biases: what `FusedMLP.pack` takes
+            return self.fused(rows, index, gate_act[:, index] if gate_act is not None else None)
         if gate_act is not None:  # the gate is known: gather only up's rows
             up = _selected_rows(self.up, rows, index)
             hidden = gate_act[:, index] * up if self.gate is not None else gate_act[:, index]
