@@ -213,3 +213,17 @@ def test_the_engine_is_an_option_of_sparsify_and_gather_undoes_it():
     with pytest.raises(SparsegenError, match="no sparse MLP engine"):
         fuse(model, "fastest")
     assert "gather" in ENGINES
+
+
+def test_the_contextual_bench_runs_the_fused_engine(tiny_folder, tiny_text, tmp_path):
+    import json
+
+    from sparsegen.bench.contextual import bench_contextual
+
+    bench = bench_contextual(
+        str(tiny_folder), ("threshold",), (0.5,), (1,), context=8, tokens=3, rounds=1, calib_text=str(tiny_text),
+        out=tmp_path, progress=lambda m: None, engine="fused-int8",
+    )  # fmt: skip
+    assert [r["selector"] for r in bench] == ["dense", "threshold"] and all(r["ms"] > 0 for r in bench)
+    assert json.loads((tmp_path / "bench_contextual.json").read_text())["meta"]["engine"] == "fused-int8"
+    assert "fused-int8 engine" in (tmp_path / "bench_contextual.md").read_text()
