@@ -1,5 +1,5 @@
 """The fused sparse MLP kernel (`kernels/sparse_mlp.cpp` through `contextual.fused`): each record
-format against a float64 MLP written here with the unkept neurons' h zeroed, the list's edge cases,
+format against a float64 MLP written here with the unkept neurons' h zeroed, the mask's edge cases,
 and whole tiny models whose logits equal the gathered path's."""
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ def _parts(hidden: int = 64, neurons: int = 96, seed: int = 0, act: nn.Module | 
     return MLPParts(gate, up, nn.Linear(neurons, hidden, bias=False), act or nn.SiLU())
 
 
-def reference(x, gate, up, down, kept: torch.Tensor, act=F.silu) -> torch.Tensor:
-    """The dense MLP in float64 with every neuron outside `kept` zeroed before down."""
+def reference(x, gate, up, down, keep: torch.Tensor, act=F.silu) -> torch.Tensor:
+    """The dense MLP in float64 with every neuron outside the mask `keep` zeroed before down."""
     x, gate, up, down = (t.double() for t in (x, gate, up, down))
     hidden = act(x @ gate.t()) * (x @ up.t())
-    mask = torch.zeros(gate.shape[0], dtype=torch.float64)
-    mask[kept] = 1
-    return (hidden * mask) @ down.t()
+    return (hidden * keep) @ down.t()
 
 
 def _assert_near(out: torch.Tensor, expected: torch.Tensor, fmt: str) -> None:
@@ -46,8 +44,9 @@ def _assert_near(out: torch.Tensor, expected: torch.Tensor, fmt: str) -> None:
 
 
 def _kept(neurons: int, share: float, seed: int = 1) -> torch.Tensor:
+    """A mask over `neurons` with a random `share` of them set."""
     order = torch.randperm(neurons, generator=torch.Generator().manual_seed(seed))
-    return order[: int(neurons * share)]  # unsorted on purpose
+    return torch.zeros(neurons, dtype=torch.bool).index_fill_(0, order[: int(neurons * share)], True)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -102,8 +101,8 @@ def test_a_known_gate_is_used_instead_of_the_gate_rows(fmt):
     fused = FusedMLP.pack(parts, fmt)
     x, kept = torch.randn(3, 64), _kept(96, 0.4)
     gate, up, down = fused.weights()
-    gate_act = F.silu(x @ parts.gate.weight.t())[:, kept]  # the float gate, not the records'
-    expected = (gate_act.double() * (x.double() @ up.double().t())[:, kept]) @ down.double().t()[kept]
+    gate_act = F.silu(x @ parts.gate.weight.t())  # the float gate, not the records'
+    expected = (gate_act.double() * (x.double() @ up.double().t()) * kept) @ down.double().t()
     _assert_near(fused(x, kept, gate_act), expected, fmt)
 
 
@@ -111,18 +110,20 @@ def test_no_neuron_kept_is_zero_and_every_neuron_is_the_dense_mlp():
     parts = _parts()
     fused = FusedMLP.pack(parts, "fp32")
     x = torch.randn(2, 64)
-    assert torch.equal(fused(x, torch.empty(0, dtype=torch.long)), torch.zeros(2, 64))
+    assert torch.equal(fused(x, torch.zeros(96, dtype=torch.bool)), torch.zeros(2, 64))
     dense = parts.down(F.silu(parts.gate(x)) * parts.up(x))
-    torch.testing.assert_close(fused(x, torch.arange(96)), dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused(x, torch.ones(96, dtype=torch.bool)), dense, atol=1e-5, rtol=1e-5)
 
 
-def test_repeated_or_foreign_neurons_are_clear_errors():
+def test_a_mask_of_another_size_or_type_or_a_gate_of_another_shape_is_a_clear_error():
     fused = FusedMLP.pack(_parts(), "fp32")
     x = torch.randn(1, 64)
-    with pytest.raises(RuntimeError, match="listed twice"):
-        fused(x, torch.tensor([3, 5, 3]))
-    with pytest.raises(RuntimeError, match="is not in"):
-        fused(x, torch.tensor([3, 96]))
+    with pytest.raises(RuntimeError, match="bool mask over the 96 neurons"):
+        fused(x, torch.ones(95, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="bool mask"):
+        fused(x, torch.arange(48))  # a list of neurons is not a mask
+    with pytest.raises(RuntimeError, match=r"gate_act must be \[rows, neurons\]"):
+        fused(x, _kept(96, 0.5), torch.randn(1, 48))
     with pytest.raises(SparsegenError, match="no fused format"):
         FusedMLP.pack(_parts(), "int3")
 
@@ -154,6 +155,20 @@ def test_two_threads_give_the_one_thread_result():
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one, two, atol=1e-5, rtol=1e-5)
+
+
+def test_the_op_compiles_to_one_graph_whatever_the_mask_keeps():
+    """The op is opaque to inductor (its meta function gives the shape): no break, no recompile."""
+    from torch._dynamo.utils import counters
+
+    fused = FusedMLP.pack(_parts(), "int8")
+    compiled = torch.compile(fused, fullgraph=True, dynamic=False)
+    graphs = counters["stats"]["unique_graphs"]
+    x = torch.randn(2, 64)
+    for share in (0.2, 0.5, 0.9, 0.0):
+        kept = _kept(96, share, seed=int(10 * share))
+        torch.testing.assert_close(compiled(x, kept), fused(x, kept), atol=0, rtol=0)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
 def _calibration() -> torch.Tensor:
@@ -227,3 +242,43 @@ def test_the_contextual_bench_runs_the_fused_engine(tiny_folder, tiny_text, tmp_
     assert [r["selector"] for r in bench] == ["dense", "threshold"] and all(r["ms"] > 0 for r in bench)
     assert json.loads((tmp_path / "bench_contextual.json").read_text())["meta"]["engine"] == "fused-int8"
     assert "fused-int8 engine" in (tmp_path / "bench_contextual.md").read_text()
+
+
+def _eager_kept_counts(model, prompt: torch.Tensor, steps: int) -> tuple[list[list[int]], list[int]]:
+    """The eager fused decode's tokens, and the kept count of every fused MLP call it made."""
+    from sparsegen.decode import generate
+
+    kept: list[int] = []
+    hooks = [
+        layer.mlp.fused.register_forward_hook(lambda _, args, __: kept.append(int(args[1].sum())))
+        for layer in decoder_layers(model)
+    ]
+    try:
+        return generate(model, prompt, steps, compile="never", eos_token_id=[]).tokens, kept
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("selector", ["threshold", "predictor"])
+def test_the_compiled_decode_traces_one_graph_whatever_is_kept(selector):
+    """Two rows, whose union of kept neurons changes from step to step and layer to layer: the
+    compiled step with the fused engine is one graph (no break at the selection, no recompile for
+    a new count) and decodes the eager gathered path's tokens."""
+    from torch._dynamo.utils import counters
+
+    from sparsegen.decode import generate
+
+    model = build_tiny("llama", layers=2)
+    sparsify(model, selector, 0.5, calibration=_calibration(), progress=False, engine="fused")
+    prompt = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(2))
+    eager, kept = _eager_kept_counts(model, prompt, 8)
+    assert len(set(kept)) > 2 and max(kept) < model.config.intermediate_size
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    compiled = generate(model, prompt, 8, compile="always", eos_token_id=[], notify=lambda _: None)
+    assert compiled.mode == "compiled"
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert sum(counters["graph_break"].values()) == breaks
+    fuse(model, "gather")
+    gathered = generate(model, prompt, 8, compile="never", eos_token_id=[]).tokens
+    assert compiled.tokens == eager == gathered

@@ -103,7 +103,7 @@ def _decode_int(packed: torch.Tensor, fmt: str, hp: int) -> list[torch.Tensor]:
 
 
 class FusedMLP(nn.Module):
-    """A gated MLP's weights as neuron records, and the kernel call over a list of kept neurons."""
+    """A gated MLP's weights as neuron records, and the kernel call over a mask of kept neurons."""
 
     def __init__(self, packed: torch.Tensor, fmt: str, act: int, hidden: int) -> None:
         super().__init__()
@@ -133,12 +133,13 @@ class FusedMLP(nn.Module):
             packed = (_int8_record if fmt == "int8" else _int4_record)(rows)
         return cls(packed, fmt, act, hidden)
 
-    def forward(self, x: torch.Tensor, kept: torch.Tensor, gate_act: torch.Tensor | None = None) -> torch.Tensor:
-        """down(act(gate x) * up x) over the `kept` neurons (int64, distinct, any order) for the
-        rows x [..., hidden]; `gate_act` [rows, kept] is act(gate x) when the caller has it."""
+    def forward(self, x: torch.Tensor, keep: torch.Tensor, gate_act: torch.Tensor | None = None) -> torch.Tensor:
+        """down(act(gate x) * up x) over the neurons set in `keep` (bool [neurons]) for the rows
+        x [..., hidden]; `gate_act` [rows, neurons] is act(gate x) when the caller has it. Every
+        shape is the model's, whatever is kept: a compiled step holds one call of the op."""
         flat = x.reshape(-1, self.hidden).float().contiguous()
         gate = None if gate_act is None else gate_act.float().contiguous()
-        out = torch.ops.sparsegen.sparse_mlp(flat, self.packed, kept.long(), gate, FORMATS[self.fmt], self.act, self.hp)
+        out = torch.ops.sparsegen.sparse_mlp(flat, self.packed, keep, gate, FORMATS[self.fmt], self.act, self.hp)
         return out.to(x.dtype).reshape(x.shape)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

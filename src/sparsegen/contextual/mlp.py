@@ -9,8 +9,8 @@ with each token's unkept neurons zeroed, which is what the gathered path compute
 A static selector's rows are gathered once, at construction: a smaller dense MLP. On a GPU the
 gathers are Triton kernels (`sparsegen.kernels.gather`) that read only the kept rows. On a CPU,
 `fused` (set by `contextual.fused.fuse`) replaces the gathers with one kernel over neuron-major
-records of the weights.
-"""
+records of the weights, given the keep mask itself: no shape depends on the selection, so a
+compiled decode step is one graph (the gathers' `nonzero` breaks it and recompiles it per count)."""
 
 from __future__ import annotations
 
@@ -95,13 +95,13 @@ class SparseMLP(nn.Module):
         if self.selector.needs_gate:
             gate_act = self.act(self.gate(rows)) if self.gate is not None else self.act(self.up(rows))
         keep = self.selector.keep(rows, gate_act, None).any(0)
+        if self.fused is not None and not rows.is_cuda:  # the mask as it is: no shape depends on it
+            return self.fused(rows, keep, gate_act)
         index = keep.nonzero().squeeze(1)
         if index.numel() == self.neurons:
             return self.parts.down(self._activated(self.up(rows), self.gate(rows) if self.gate is not None else None))
         if rows.is_cuda:
             return self._gathered_on_gpu(rows, index, gate_act)
-        if self.fused is not None:  # gated, no biases: what `FusedMLP.pack` takes
-            return self.fused(rows, index, gate_act[:, index] if gate_act is not None else None)
         if gate_act is not None:  # the gate is known: gather only up's rows
             up = _selected_rows(self.up, rows, index)
             hidden = gate_act[:, index] * up if self.gate is not None else gate_act[:, index]

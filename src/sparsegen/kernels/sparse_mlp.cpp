@@ -1,4 +1,4 @@
-// A gated MLP over only the kept neurons, fused: down(act(gate . x) * (up . x)) summed over a list of
+// A gated MLP over only the kept neurons, fused: down(act(gate . x) * (up . x)) summed over the kept
 // neurons, reading each kept neuron's weights as one stream (Deja Vu's neuron-major storage).
 //
 // The weights are repacked once (sparsegen/contextual/fused.py) into one record per neuron, holding
@@ -18,9 +18,12 @@
 // in fp32. The rows of a call (a batch of 1-4 decode rows, any count works) share the kept list, and
 // each neuron's weights are read once for all of them. Threads take equal slices of the list, each
 // summing into its own [rows, hp] partial; the partials are added at the end (so results depend on
-// the thread count only by fp32 rounding). `kept` may be in any order; repeats and neurons out of
-// range are errors. `gate_act` [rows, kept], when given, is act(gate . x) already computed (a
-// selector that reads the whole gate): the gate rows are then not read.
+// the thread count only by fp32 rounding). The selection is a boolean mask over all the neurons,
+// which the kernel scans into its list (8,960 bytes for the 1.5B model's MLP: nothing beside the
+// weights): every shape of a call is then fixed by the model, whatever the selector kept, so a
+// compiled decode step traces this op once. `gate_act` [rows, neurons], when given, is
+// act(gate . x) already computed for every neuron (a selector that reads the whole gate): the
+// gate rows are then not read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -76,17 +79,17 @@ Rounded round_rows(const float* x, int64_t count) {
 struct Call {
   const float* x;
   const Rounded* rounded;
-  int64_t rows, hp, kept;
+  int64_t rows, hp, neurons;
   const float* gate_act;
   int64_t act;
   float* out;
 };
 
-// The neuron's activations h[r] from its gate and up sums (or the known gate).
+// Neuron n's activations h[r] from its gate and up sums (or the known gate).
 template <int R>
-inline void activations(const Call& c, int64_t r0, int64_t i, const float* g, const float* u, float* h) {
+inline void activations(const Call& c, int64_t r0, int64_t n, const float* g, const float* u, float* h) {
   for (int r = 0; r < R; ++r)
-    h[r] = (c.gate_act ? c.gate_act[(r0 + r) * c.kept + i] : activate(g[r], c.act)) * u[r];
+    h[r] = (c.gate_act ? c.gate_act[(r0 + r) * c.neurons + n] : activate(g[r], c.act)) * u[r];
 }
 
 // out[r] += h[r] * column for the tile's rows, the column in float (fp32 or bf16).
@@ -106,7 +109,7 @@ inline void add_column(const Call& c, int64_t r0, const W* down, const W* next, 
 
 // One neuron of a float record (gate, up, down rows of hp), for rows [r0, r0 + R).
 template <typename W, int R>
-void float_neuron(const Call& c, int64_t r0, int64_t i, const W* rec, const W* next) {
+void float_neuron(const Call& c, int64_t r0, int64_t n, const W* rec, const W* next) {
   const W *gate = rec, *up = rec + c.hp, *down = rec + 2 * c.hp;
   const bool with_gate = c.gate_act == nullptr;
   Vec g[R], u[R];
@@ -125,7 +128,7 @@ void float_neuron(const Call& c, int64_t r0, int64_t i, const W* rec, const W* n
   }
   float gs[R], us[R], h[R];
   for (int r = 0; r < R; ++r) gs[r] = sum_of(g[r]), us[r] = sum_of(u[r]);
-  activations<R>(c, r0, i, gs, us, h);
+  activations<R>(c, r0, n, gs, us, h);
   add_column<W, R>(c, r0, down, next ? next + 2 * c.hp : nullptr, h);
 }
 
@@ -169,7 +172,7 @@ inline void add_int_column(const Call& c, int64_t r0, const IntRecord& w, const 
 
 // One neuron of an integer record, for rows [r0, r0 + R).
 template <bool kInt4, int R>
-void int_neuron(const Call& c, int64_t r0, int64_t i, const uint8_t* rec, const uint8_t* next) {
+void int_neuron(const Call& c, int64_t r0, int64_t n, const uint8_t* rec, const uint8_t* next) {
   const IntRecord w = int_record<kInt4>(rec, c.hp);
   const IntRecord ahead = int_record<kInt4>(next ? next : rec, c.hp);
   const int64_t blocks = c.hp / kBlock, block_bytes = kInt4 ? kBlock / 2 : kBlock;
@@ -203,20 +206,20 @@ void int_neuron(const Call& c, int64_t r0, int64_t i, const uint8_t* rec, const 
     }
     us[r] -= up_min, gs[r] -= gate_min;
   }
-  activations<R>(c, r0, i, gs, us, h);
+  activations<R>(c, r0, n, gs, us, h);
   add_int_column<kInt4, R>(c, r0, w, next ? ahead.down : nullptr, h);
 }
 
 // ---- the call --------------------------------------------------------------------------------
 
 template <int R>
-void neuron(const Call& c, int64_t format, int64_t r0, int64_t i, const uint8_t* rec, const uint8_t* next) {
+void neuron(const Call& c, int64_t format, int64_t r0, int64_t n, const uint8_t* rec, const uint8_t* next) {
   using Bf16 = uint16_t;
   switch (format) {
-    case kFloat32: return float_neuron<float, R>(c, r0, i, (const float*)rec, (const float*)next);
-    case kBfloat16: return float_neuron<Bf16, R>(c, r0, i, (const Bf16*)rec, (const Bf16*)next);
-    case kInt8: return int_neuron<false, R>(c, r0, i, rec, next);
-    default: return int_neuron<true, R>(c, r0, i, rec, next);
+    case kFloat32: return float_neuron<float, R>(c, r0, n, (const float*)rec, (const float*)next);
+    case kBfloat16: return float_neuron<Bf16, R>(c, r0, n, (const Bf16*)rec, (const Bf16*)next);
+    case kInt8: return int_neuron<false, R>(c, r0, n, rec, next);
+    default: return int_neuron<true, R>(c, r0, n, rec, next);
   }
 }
 
@@ -228,10 +231,10 @@ void neuron_range(const Call& c, int64_t format, const uint8_t* base, int64_t re
     const uint8_t* next = i + 1 < last ? base + kept[i + 1] * record : nullptr;
     for (int64_t r0 = 0; r0 < c.rows; r0 += kTile) {
       switch (std::min<int64_t>(kTile, c.rows - r0)) {
-        case 1: neuron<1>(c, format, r0, i, rec, next); break;
-        case 2: neuron<2>(c, format, r0, i, rec, next); break;
-        case 3: neuron<3>(c, format, r0, i, rec, next); break;
-        default: neuron<4>(c, format, r0, i, rec, next); break;
+        case 1: neuron<1>(c, format, r0, kept[i], rec, next); break;
+        case 2: neuron<2>(c, format, r0, kept[i], rec, next); break;
+        case 3: neuron<3>(c, format, r0, kept[i], rec, next); break;
+        default: neuron<4>(c, format, r0, kept[i], rec, next); break;
       }
     }
   }
@@ -246,17 +249,16 @@ int64_t record_bytes(int64_t format, int64_t hp) {
   }
 }
 
-// kept as int64, each neuron in [0, neurons) at most once.
-void check_kept(const torch::Tensor& kept, int64_t neurons) {
-  TORCH_CHECK(kept.scalar_type() == torch::kLong && kept.dim() == 1 && kept.is_contiguous(),
-              "sparse_mlp: kept must be a contiguous int64 list of neuron indices");
-  std::vector<uint8_t> seen(neurons, 0);
-  const int64_t* p = kept.data_ptr<int64_t>();
-  for (int64_t i = 0; i < kept.numel(); ++i) {
-    TORCH_CHECK(p[i] >= 0 && p[i] < neurons, "sparse_mlp: kept neuron ", p[i], " is not in [0, ", neurons, ")");
-    TORCH_CHECK(!seen[p[i]], "sparse_mlp: kept neuron ", p[i], " is listed twice (its share would be added twice)");
-    seen[p[i]] = 1;
-  }
+// The neurons set in `keep` (bool [neurons]), in order.
+std::vector<int64_t> kept_list(const torch::Tensor& keep, int64_t neurons) {
+  TORCH_CHECK(keep.scalar_type() == torch::kBool && keep.dim() == 1 && keep.size(0) == neurons && keep.is_contiguous(),
+              "sparse_mlp: keep must be a contiguous bool mask over the ", neurons, " neurons");
+  const bool* p = keep.data_ptr<bool>();
+  std::vector<int64_t> kept;
+  kept.reserve(neurons);
+  for (int64_t n = 0; n < neurons; ++n)
+    if (p[n]) kept.push_back(n);
+  return kept;
 }
 
 void check_packed(const torch::Tensor& packed, int64_t format, int64_t hp) {
@@ -270,20 +272,21 @@ void check_packed(const torch::Tensor& packed, int64_t format, int64_t hp) {
 
 }  // namespace
 
-// x [rows, hidden] fp32 -> [rows, hidden] fp32: the MLP over the `kept` neurons of `packed`.
-torch::Tensor sparse_mlp(torch::Tensor x, torch::Tensor packed, torch::Tensor kept, c10::optional<torch::Tensor> gate_act,
+// x [rows, hidden] fp32 -> [rows, hidden] fp32: the MLP over the neurons of `packed` set in `keep`.
+torch::Tensor sparse_mlp(torch::Tensor x, torch::Tensor packed, torch::Tensor keep, c10::optional<torch::Tensor> gate_act,
                          int64_t format, int64_t act, int64_t hp) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) <= hp, "sparse_mlp: x must be fp32 [rows, hidden]");
   check_packed(packed, format, hp);
-  check_kept(kept, packed.size(0));
-  const int64_t rows = x.size(0), hidden = x.size(1), count = kept.numel();
+  const int64_t rows = x.size(0), hidden = x.size(1), neurons = packed.size(0);
+  const std::vector<int64_t> kept = kept_list(keep, neurons);
+  const int64_t count = static_cast<int64_t>(kept.size());
   auto padded = hidden == hp ? x.contiguous() : torch::constant_pad_nd(x, {0, hp - hidden}).contiguous();
   const float* gate = nullptr;
   torch::Tensor gate_rows;
   if (gate_act.has_value()) {
     gate_rows = gate_act->to(torch::kFloat).contiguous();
-    TORCH_CHECK(gate_rows.dim() == 2 && gate_rows.size(0) == rows && gate_rows.size(1) == count,
-                "sparse_mlp: gate_act must be [rows, kept]");
+    TORCH_CHECK(gate_rows.dim() == 2 && gate_rows.size(0) == rows && gate_rows.size(1) == neurons,
+                "sparse_mlp: gate_act must be [rows, neurons]");
     gate = gate_rows.data_ptr<float>();
   }
   const Rounded rounded = format >= kInt8 ? round_rows(padded.data_ptr<float>(), rows * hp) : Rounded{};
@@ -293,8 +296,8 @@ torch::Tensor sparse_mlp(torch::Tensor x, torch::Tensor packed, torch::Tensor ke
   const int64_t record = record_bytes(format, hp);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      const Call c{padded.data_ptr<float>(), &rounded, rows, hp, count, gate, act, partial.data_ptr<float>() + t * rows * hp};
-      neuron_range(c, format, base, record, kept.data_ptr<int64_t>(), t * count / threads, (t + 1) * count / threads);
+      const Call c{padded.data_ptr<float>(), &rounded, rows, hp, neurons, gate, act, partial.data_ptr<float>() + t * rows * hp};
+      neuron_range(c, format, base, record, kept.data(), t * count / threads, (t + 1) * count / threads);
     }
   });
   auto out = threads == 1 ? partial[0] : partial.sum(0);
@@ -302,14 +305,14 @@ torch::Tensor sparse_mlp(torch::Tensor x, torch::Tensor packed, torch::Tensor ke
 }
 
 // The shape alone, for tracing: a compiled step keeps the op as one opaque call.
-torch::Tensor sparse_mlp_meta(torch::Tensor x, torch::Tensor packed, torch::Tensor kept,
+torch::Tensor sparse_mlp_meta(torch::Tensor x, torch::Tensor packed, torch::Tensor keep,
                               c10::optional<torch::Tensor> gate_act, int64_t format, int64_t act, int64_t hp) {
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
 // Registered with the dispatcher from C++, so a call costs no Python.
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
-  m.def("sparse_mlp(Tensor x, Tensor packed, Tensor kept, Tensor? gate_act, int format, int act, int hp) -> Tensor");
+  m.def("sparse_mlp(Tensor x, Tensor packed, Tensor keep, Tensor? gate_act, int format, int act, int hp) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) { m.impl("sparse_mlp", &sparse_mlp); }
 TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("sparse_mlp", &sparse_mlp_meta); }
