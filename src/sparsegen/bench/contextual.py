@@ -74,7 +74,9 @@ def bench_contextual(
     out: Path = Path("results/bench_contextual"),
     progress: Callable[[str], None] = print,
     device: str | None = None,
+    engine: str = "gather",
 ) -> list[dict]:
+    """`engine`: how the sparse MLPs run a decode step on a CPU (`contextual.fused.ENGINES`)."""
     from sparsegen.contextual import densify, install, sparsify
     from sparsegen.contextual.apply import installed_heads
     from sparsegen.contextual.selector import faster_selectors
@@ -100,11 +102,11 @@ def bench_contextual(
                 if selector != "dense":
                     if config not in installed:
                         selectors = sparsify(
-                            model, selector, sparsity, calibration, head_sparsity=heads, progress=False
+                            model, selector, sparsity, calibration, head_sparsity=heads, progress=False, engine=engine
                         )
                         installed[config] = (selectors, installed_heads(model))
                     else:
-                        install(model, *installed[config])
+                        install(model, *installed[config], engine)
                 ms = _decode_ms(model, prompt, tokens, compile, lambda message: progress(f"  {message}"))
                 timings.setdefault((config, batch), []).append(ms)
                 if (config, batch) not in kept:
@@ -124,6 +126,7 @@ def bench_contextual(
             })  # fmt: skip
     meta = run_meta(
         model=model_name,
+        engine=engine,
         context=context,
         tokens=tokens,
         rounds=rounds,
@@ -133,7 +136,8 @@ def bench_contextual(
     write_json(out / "bench_contextual.json", {"meta": meta, "rows": rows})
     header = (
         f"model `{model_name}`, fp32, the fast decode path with compile={compile}, {context}-token prompt then "
-        f"{tokens} greedy steps, mean ms per step, best of {rounds} alternating rounds; read bandwidth "
+        f"{tokens} greedy steps, sparse MLPs by the {engine} engine, mean ms per step, best of {rounds} alternating "
+        f"rounds; read bandwidth "
         f"{bandwidth:.1f} GB/s; "
         f"{meta['machine']}, {meta['date']}\n\n"
     )

@@ -178,6 +178,9 @@ def bench_contextual_command(
     head_sparsities: str = typer.Option(
         "0", "--head-sparsities", help="Shares of attention heads skipped per token (a head predictor; not with teal)."
     ),
+    engine: str = typer.Option(
+        "gather", "--engine", help="How sparse MLPs run a CPU decode step: gather, fused, fused-bf16/int8/int4."
+    ),
     out_dir: Path = typer.Option(Path("results/bench_contextual"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
@@ -196,6 +199,7 @@ def bench_contextual_command(
         out=out_dir,
         progress=lambda msg: err.print(f"[dim]{msg}[/]"),
         device=device,
+        engine=engine,
     )
     out.print((out_dir / "bench_contextual.md").read_text())
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from sparsegen.contextual.fused import engine_format, fuse
 from sparsegen.contextual.heads import HeadPredictor, SparseAttention, head_part_norms
 from sparsegen.contextual.input_sparse import InputSparseAttention, InputSparseLinear, InputSparseMLP
 from sparsegen.contextual.mlp import SparseMLP
@@ -119,6 +120,7 @@ def sparsify(
     progress: bool = True,
     head_sparsity: float = 0.0,
     lookahead: bool = False,
+    engine: str = "gather",
     **settings,
 ) -> list[Selector]:
     """Swap every decoder MLP (after the first `dense_layers`) for a `SparseMLP` whose selector was
@@ -126,7 +128,8 @@ def sparsify(
     With `head_sparsity` > 0 the same layers' attention becomes a `SparseAttention` whose head
     predictor is trained on the same text. `lookahead` also trains predictors on the previous
     layer's input, to report their recall (twice the training time). Further keywords are the
-    selector's settings (e.g. the predictor's `rank`), saved with it by `save_selectors`."""
+    selector's settings (e.g. the predictor's `rank`), saved with it by `save_selectors`. `engine`
+    is how the sparse MLPs run a decode step on a CPU (`contextual.fused.ENGINES`)."""
     if checked_sparsity(head_sparsity, "head sparsity") and calibration is None:
         raise SparsegenError("head sparsity needs calibration text to train its predictors")
     densify(model)
@@ -145,7 +148,7 @@ def sparsify(
                 chosen.calibrate(layer_stats)
     del stats
     heads = train_heads(model, calibration, head_sparsity, dense_layers, progress, lookahead) if head_sparsity else None
-    install(model, selectors, heads)
+    install(model, selectors, heads, engine)
     return selectors
 
 
@@ -170,9 +173,15 @@ def train_heads(
 
 
 def install(
-    model: nn.Module, selectors: list[Selector | None], heads: list[HeadPredictor | None] | None = None
+    model: nn.Module,
+    selectors: list[Selector | None],
+    heads: list[HeadPredictor | None] | None = None,
+    engine: str = "gather",
 ) -> None:
-    """Put each selector (and head predictor) into its decoder layer (None: that part stays dense)."""
+    """Put each selector (and head predictor) into its decoder layer (None: that part stays dense);
+    the sparse MLPs run `engine` (`contextual.fused.ENGINES`; a layer the fused kernel cannot take
+    gathers, and says why)."""
+    engine_format(engine, torch.float32)  # a bad name fails before anything changes
     densify(model)
     layers = decoder_layers(model)
     for layer, selector, predictor in zip(layers, selectors, heads or [None] * len(layers), strict=True):
@@ -180,6 +189,8 @@ def install(
             selector.install(layer)
         if predictor is not None:
             layer.self_attn = SparseAttention(layer.self_attn, predictor)
+    if engine != "gather":
+        fuse(model, engine)
 
 
 def installed_selectors(model: nn.Module) -> list[Selector | None]:
@@ -335,8 +346,8 @@ def save_selectors(
     return path
 
 
-def load_selectors(model: nn.Module, folder: str | Path) -> list[Selector | None]:
-    """Install the selectors saved in `folder` into `model` (its MLPs become sparse)."""
+def load_selectors(model: nn.Module, folder: str | Path, engine: str = "gather") -> list[Selector | None]:
+    """Install the selectors saved in `folder` into `model` (its MLPs become sparse, run by `engine`)."""
     from safetensors import safe_open
 
     path = Path(folder) / SELECTORS_FILE
@@ -372,5 +383,5 @@ def load_selectors(model: nn.Module, folder: str | Path) -> list[Selector | None
     for i in json.loads(meta.get("head_layers", "[]")):
         heads[i] = HeadPredictor(float(meta["head_sparsity"]))
         heads[i].load_state(state(i, HEADS_PREFIX))
-    install(model, selectors, heads)
+    install(model, selectors, heads, engine)
     return selectors

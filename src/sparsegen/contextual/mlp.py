@@ -7,8 +7,10 @@ weighted by h, reading no other memory. With several rows, their kept sets are u
 batching). Longer inputs (prefill, teacher-forced evaluation) take the masked path: the dense MLP
 with each token's unkept neurons zeroed, which is what the gathered path computes token by token.
 A static selector's rows are gathered once, at construction: a smaller dense MLP. On a GPU the
-gathers are Triton kernels (`sparsegen.kernels.gather`) that read only the kept rows.
-"""
+gathers are Triton kernels (`sparsegen.kernels.gather`) that read only the kept rows. On a CPU,
+`fused` (set by `contextual.fused.fuse`) replaces the gathers with one kernel over neuron-major
+records of the weights, given the keep mask itself: no shape depends on the selection, so a
+compiled decode step is one graph (the gathers' `nonzero` breaks it and recompiles it per count)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class SparseMLP(nn.Module):
         paired = parts.up.weight if parts.gate is None else torch.stack([parts.gate.weight, parts.up.weight], 1)
         self.register_buffer("paired", paired.detach().reshape(parts.neurons, -1).contiguous(), persistent=False)
         self.down_bias = parts.down.bias
+        self.fused: nn.Module | None = None  # a `contextual.fused.FusedMLP`, set by `fuse`
         self.compact: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
         kept = getattr(selector, "kept", None)
         if kept is not None:
@@ -92,6 +95,8 @@ class SparseMLP(nn.Module):
         if self.selector.needs_gate:
             gate_act = self.act(self.gate(rows)) if self.gate is not None else self.act(self.up(rows))
         keep = self.selector.keep(rows, gate_act, None).any(0)
+        if self.fused is not None and not rows.is_cuda:  # the mask as it is: no shape depends on it
+            return self.fused(rows, keep, gate_act)
         index = keep.nonzero().squeeze(1)
         if index.numel() == self.neurons:
             return self.parts.down(self._activated(self.up(rows), self.gate(rows) if self.gate is not None else None))

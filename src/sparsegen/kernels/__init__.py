@@ -19,6 +19,7 @@ KV_INT = SOURCES / "kv_int.cpp"
 INT_DOT = SOURCES / "int_dot.cpp"
 GGUF_DOT = SOURCES / "gguf_dot.cpp"
 FLOAT_ROWS = SOURCES / "float_rows.cpp"
+SPARSE_MLP = SOURCES / "sparse_mlp.cpp"
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,8 @@ def load_gguf_dot():
 def load_float_rows():
     """The few-row fp32 product over packed weights (`few_rows`), or None."""
     return builder.build(FLOAT_ROWS, "the few-row fp32 kernel")
+
+
+def load_sparse_mlp():
+    """The fused sparse MLP over kept neurons' records (`contextual.fused`), or None."""
+    return builder.build(SPARSE_MLP, "the fused sparse MLP kernel")
