@@ -23,9 +23,15 @@ LIMIT_S = 1200.0
 
 
 def cold_start(
-    config: ServeConfig, model: str, prompt: str, options: list[str], progress: Callable[[str], None]
+    config: ServeConfig,
+    model: str,
+    prompt: str,
+    options: list[str],
+    progress: Callable[[str], None],
+    wait_compiled: bool = True,
 ) -> dict:
-    """One server of `config` from an empty compile cache; its seconds to listen, answer and compile."""
+    """One server of `config` from an empty compile cache; its seconds to listen, answer and (unless
+    not `wait_compiled`: None) to its compiled step serving."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="sparsegen-cold-") as empty:
@@ -39,7 +45,9 @@ def cold_start(
                 answer = stream_completion(client, base, body)
                 answered = time.monotonic() - started
                 progress(f"{config.label}: first answer after {answered:.1f} s")
-                compiled = _wait(client, server, base, started, lambda health: health.get("step") != "compiling")
+                compiled = None
+                if wait_compiled:
+                    compiled = _wait(client, server, base, started, lambda health: health.get("step") != "compiling")
         finally:
             server.terminate()
             server.wait(timeout=60)
@@ -47,7 +55,7 @@ def cold_start(
         "config": config.label,
         "listening_s": round(listening, 1),
         "first_answer_s": round(answered, 1),
-        "compiled_s": round(compiled, 1),
+        "compiled_s": None if compiled is None else round(compiled, 1),
         "answer_tokens": answer.get("tokens"),
     }
 

@@ -96,6 +96,11 @@ def bench_cold_start_command(
     baseline_src: Path | None = typer.Option(
         None, "--baseline-src", help="Also another checkout's server (its src/ folder), e.g. an old commit's."
     ),
+    baseline_answer_only: bool = typer.Option(
+        False,
+        "--baseline-answer-only",
+        help="Stop the baseline server after its first answer (its compile not waited).",
+    ),
     out_dir: Path = typer.Option(Path("results/bench_cold_start"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
@@ -112,7 +117,11 @@ def bench_cold_start_command(
         servers.insert(0, dataclasses.replace(servers[0], label=checked.label, src=checked.src))
     options = ["--device", device] if device else []
     progress = lambda m: err.print(f"[dim]{m}[/]")  # noqa: E731
-    rows = [cold_start(server, model, "Once upon a time", options, progress) for server in servers]
+    waits = [not (baseline_src is not None and baseline_answer_only and index == 0) for index in range(len(servers))]
+    rows = [
+        cold_start(server, model, "Once upon a time", options, progress, wait)
+        for server, wait in zip(servers, waits, strict=True)
+    ]
     write_json(out_dir / "cold_start.json", {"model": model, "rows": rows})
     columns = [(key, key.replace("_", " ")) for key in rows[0]]
     out.print(markdown_table(rows, columns))
