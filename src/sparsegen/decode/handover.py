@@ -91,18 +91,24 @@ def capacity_for(parts: list[HeldSlots], max_new_tokens: int, bounded: bool = Tr
     return -(-(held + max_new_tokens) // 64) * 64
 
 
-def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool = True) -> LayerState:
-    """One layer's slots for all rows, from each row group's prefilled layer: in their codec's
-    bytes where they are held in one, else in `kv_dtype`. An evicting row's slots beyond its
-    budget are DEAD where it is `bounded` by them (not where it also holds a shared context)."""
-    codec = parts[0].codec
-    if any(part.codec != codec for part in parts):
+def _check_one_step(parts: list[HeldSlots], bounded: bool) -> None:
+    """Rows stacked into one step hold their KV in one codec and, evicting, share their policy's
+    settings but the per-row counts (`KVSpec.step_key`); else a one-line error."""
+    if any(part.codec != parts[0].codec for part in parts):
         raise SparsegenError("rows of one batch must hold their KV in the same number of bits (kv_bits)")
     if bounded and parts[0].evicting and len({policy_step_settings(part.policy) for part in parts}) > 1:
         raise SparsegenError(
             "rows evicting in one batch must share their policy and its settings but heavy and recent "
             "(KVSpec.step_key): decode the others apart"
         )
+
+
+def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool = True) -> LayerState:
+    """One layer's slots for all rows, from each row group's prefilled layer: in their codec's
+    bytes where they are held in one, else in `kv_dtype`. An evicting row's slots beyond its
+    budget are DEAD where it is `bounded` by them (not where it also holds a shared context)."""
+    _check_one_step(parts, bounded)
+    codec = parts[0].codec
     rows = sum(part.keys.shape[0] for part in parts)
     h, device = parts[0].keys.shape[1], parts[0].keys.device
     dtype = kv_dtype if codec is None else torch.uint8
