@@ -115,8 +115,15 @@ def test_build_all_builds_every_kernel_source_of_the_package(monkeypatch):
 
     built = []
     monkeypatch.setattr(build, "build", lambda source, what: built.append(source.resolve()))
-    for load in (kernels.load_kv_int, kernels.load_int_dot, kernels.load_gguf_dot, kernels.load_float_rows):
+    loaders = (
+        kernels.load_kv_int,
+        kernels.load_int_dot,
+        kernels.load_gguf_dot,
+        kernels.load_float_rows,
+        kernels.load_sparse_mlp,
+    )
+    for load in loaders:
         load()  # the sources the package loads
     loaded, built = sorted(built), []
     build.build_all()
-    assert sorted(built) == loaded and len(set(loaded)) == 4
+    assert sorted(built) == loaded and len(set(loaded)) == len(loaders)
