@@ -17,13 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SPARSEGEN_AVX2 1
-#endif
-#if defined(SPARSEGEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define SPARSEGEN_VNNI 1
-#endif
+#include "int8_blocks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,7 +26,6 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsAtOnce = 4;
 
 struct RoundedRows {  // the input rows in int8, per block: the step and step * sum of codes
@@ -62,37 +55,13 @@ RoundedRows round_rows(const float* x, int64_t rows, int64_t in) {
 }
 
 #ifdef SPARSEGEN_AVX2
-// The 32 codes of one weight block, in input order, as unsigned bytes.
-inline __m256i weight_block(const uint8_t* p) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
-  return _mm256_and_si256(both, _mm256_set1_epi8(15));
-}
-
-// Eight partial sums of u . codes over one block (u unsigned, codes signed), as floats.
-inline __m256 block_dot_codes(__m256i u, __m256i codes) {
-#ifdef SPARSEGEN_VNNI
-  const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, codes);
-#else
-  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, codes), _mm256_set1_epi16(1));
-#endif
-  return _mm256_cvtepi32_ps(sums);
-}
-
 inline __m256 block_dot(__m256i u, const int8_t* a) {
   return block_dot_codes(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
 }
 
 // Eight partial sums of q . a over one block of signed weights, as floats.
 inline __m256 signed_block_dot(__m256i q, const int8_t* a) {
-  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  return block_dot_codes(_mm256_sign_epi8(q, q), _mm256_sign_epi8(codes, q));
-}
-
-inline float sum_of(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  return signed_block_dot_codes(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
 }
 #endif
 
@@ -135,7 +104,7 @@ void products(const RoundedRows& r, const uint8_t* w, const float* scale, int64_
     add_block<kRows, kSigned>(r, load_block<kSigned>(w, b + 1), scale[b + 1], row0 * blocks + b + 1, blocks, odd);
   }
   if (b < blocks) add_block<kRows, kSigned>(r, load_block<kSigned>(w, b), scale[b], row0 * blocks + b, blocks, even);
-  for (int k = 0; k < kRows; ++k) result[k] += sum_of(_mm256_add_ps(even[k], odd[k]));
+  for (int k = 0; k < kRows; ++k) result[k] += sum256(_mm256_add_ps(even[k], odd[k]));
 }
 #endif
 

@@ -6,15 +6,10 @@
 
 #include <torch/extension.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SPARSEGEN_AVX2 1
-#endif
+#include "int8_blocks.h"
+
 #if defined(SPARSEGEN_AVX2) && defined(__AVX512F__)
 #define SPARSEGEN_AVX512 1
-#endif
-#if defined(SPARSEGEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define SPARSEGEN_VNNI 1
 #endif
 
 #include <algorithm>
@@ -22,16 +17,6 @@
 #include <cstring>
 
 namespace {
-
-constexpr int64_t kBlock = 32;
-
-#ifdef SPARSEGEN_AVX2
-inline float sum256(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-#endif
 
 #if defined(SPARSEGEN_AVX512)
 using Vec = __m512;
@@ -83,28 +68,15 @@ inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 using IVec = __m256;  // eight partial sums of integer dots, scaled to fp32
 inline IVec izero() { return _mm256_setzero_ps(); }
 inline float isum(IVec v) { return sum256(v); }
-inline __m256i nibble_block(const uint8_t* p) {  // 32 unsigned codes in input order (int_dot.cpp's layout)
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
-  return _mm256_and_si256(both, _mm256_set1_epi8(15));
-}
-inline __m256 dot_codes(__m256i u, __m256i codes) {  // u unsigned, codes signed
-#ifdef SPARSEGEN_VNNI
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, codes));
-#else
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, codes), _mm256_set1_epi16(1)));
-#endif
-}
 // acc + factor * (the block's weights . a), the weights int4 nibbles or int8 codes.
 template <bool kInt4>
 inline IVec block_dot(const uint8_t* w, const int8_t* a, float factor, IVec acc) {
   const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
   __m256 dot;
   if (kInt4) {
-    dot = dot_codes(nibble_block(w), codes);
-  } else {  // the byte products take an unsigned operand: |q| times a * sign(q), exact
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    dot = dot_codes(_mm256_sign_epi8(q, q), _mm256_sign_epi8(codes, q));
+    dot = block_dot_codes(weight_block(w), codes);
+  } else {
+    dot = signed_block_dot_codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), codes);
   }
   return _mm256_fmadd_ps(dot, _mm256_set1_ps(factor), acc);
 }
