@@ -63,6 +63,9 @@ class BackgroundCompile:
                 self._first()
             except Exception as exc:  # noqa: BLE001 - the compile below still runs, from nothing
                 self._notify(f"compiling in a child process failed ({type(exc).__name__}: {exc}); compiling here")
+        if self._cancelled:  # the engine closed while the child compiled: nothing to build for
+            self.ready.set()
+            return
         decoder = self._make_decoder(self.kv)
         try:
             with torch.inference_mode():

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 from sparsegen.kv.spec import KVSpec
@@ -28,6 +31,7 @@ def in_child(model: str, kv: KVSpec, *, device: str | None, activation_bits: int
     with `device` and `activation_bits`) in a child process and waits for it; a failure raises
     with the child's last words."""
     argv = [sys.executable, "-m", "sparsegen.serve.precompile", "--model", model, "--kv", json.dumps(kv.to_dict())]
+    argv += ["--parent", str(os.getpid())]
     argv += ["--device", device] if device else []
     argv += ["--activation-bits", str(activation_bits)] if activation_bits else []
 
@@ -39,6 +43,14 @@ def in_child(model: str, kv: KVSpec, *, device: str | None, activation_bits: int
             )
 
     return run
+
+
+def _exit_with(parent: int) -> None:
+    """End this child as soon as the server that started it is gone (killed or stopped): its
+    compile is for that server only."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv", required=True, help="the KV spec as KVSpec.to_dict writes it (JSON)")
     parser.add_argument("--device")
     parser.add_argument("--activation-bits", type=int)
+    parser.add_argument("--parent", type=int, help="the server's pid: this child ends when it does")
     args = parser.parse_args(argv)
+    threading.Thread(target=_exit_with, args=(args.parent or os.getppid(),), daemon=True).start()
     model, _ = load(args.model, device=args.device, activation_bits=args.activation_bits)
     packed = pack_weights(model)  # as the engine packs them, so the traced graph is the same
     use_gemv(model, rows_vary=True, packed=packed)  # the process ends with the model: nothing to give back
