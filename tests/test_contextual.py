@@ -31,6 +31,7 @@ RUNS = {
     "static": "gathered",
     "teal": "input-sparse",
     "threshold": "gathered",
+    "wina": "input-sparse",
 }
 GATHERED = [name for name, runs in RUNS.items() if runs == "gathered"]
 
@@ -87,10 +88,11 @@ def test_the_gathered_mlp_equals_the_dense_mlp_with_unkept_neurons_masked(arch, 
         torch.testing.assert_close(sparse(x)[:, 0], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("selector", ["teal", "wina"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_teal_reads_only_the_kept_inputs_rows_and_equals_the_masked_dense_layer(arch, rows):
+def test_input_sparsity_reads_only_the_kept_inputs_rows_and_equals_the_masked_dense_layer(arch, selector, rows):
     model = build_tiny(arch)
-    sparsify(model, "teal", 0.4, progress=False)
+    sparsify(model, selector, 0.4, progress=False)
     layer = decoder_layers(model)[1]
     attention, mlp = layer.self_attn.original, layer.mlp.original
     groups = {  # each InputSparseLinear and the dense Linears it stands for, side by side
@@ -102,7 +104,10 @@ def test_teal_reads_only_the_kept_inputs_rows_and_equals_the_masked_dense_layer(
     for sparse, linears in groups.items():
         x = torch.randn(rows, 1, sparse.in_features, generator=torch.Generator().manual_seed(rows))
         flat = x[:, 0]
-        top = flat.abs().topk(sparse.keep, dim=-1).indices
+        # TEAL keeps the largest |x|; WINA the largest |x| times the norm of the weights x multiplies
+        norms = torch.cat([linear.weight for linear in linears]).detach().double().pow(2).sum(0).sqrt()
+        scores = flat.abs().double() * (norms if selector == "wina" else 1.0)
+        top = scores.topk(sparse.keep, dim=-1).indices
         masked = torch.zeros_like(flat).scatter_(1, top, flat.gather(1, top))
         assert 0 < (masked == 0).float().mean() < 1
         with torch.no_grad():
@@ -110,6 +115,24 @@ def test_teal_reads_only_the_kept_inputs_rows_and_equals_the_masked_dense_layer(
             torch.testing.assert_close(sparse(x)[:, 0], expected, rtol=1e-5, atol=1e-5)
     read, total = read_bytes(model, _ids(1, 8))
     assert read / total == pytest.approx(0.6, abs=0.03)  # the split keeps the layers' skipped share at 40%
+
+
+def test_wina_and_teal_choose_differently_when_the_weights_columns_differ():
+    model = build_tiny("llama")
+    down = decoder_layers(model)[1].mlp.down_proj
+    with torch.no_grad():
+        down.weight[:, ::2] *= 20  # the even inputs multiply far larger weights
+    x = torch.rand(1, 1, down.in_features, generator=torch.Generator().manual_seed(3)) + 1.0
+    x[..., 1::2] *= 2  # ... while the odd inputs are larger
+    chosen = {}
+    for selector in ("teal", "wina"):
+        sparsify(model, selector, 0.5, progress=False)
+        sparse = decoder_layers(model)[1].mlp.down
+        chosen[selector] = set(sparse.kept(x[:, 0])[0].tolist())
+        densify(model)
+    odd = set(range(1, down.in_features, 2))
+    assert len(chosen["teal"] & odd) > len(chosen["teal"]) * 0.9  # TEAL keeps the large inputs
+    assert len(chosen["wina"] & odd) < len(chosen["wina"]) * 0.1  # WINA the ones on large weights
 
 
 def test_threshold_calibration_hits_the_target_sparsity():

@@ -79,8 +79,8 @@ class SparseAttention(nn.Module):
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         if not all(type(getattr(attention, name, None)) is nn.Linear for name in names):
             raise SparsegenError(
-                f"{type(attention).__name__} has no plain q_proj/k_proj/v_proj/o_proj Linears (teal replaces them): "
-                "head sparsity needs them; use a neuron selector other than teal"
+                f"{type(attention).__name__} has no plain q_proj/k_proj/v_proj/o_proj Linears (teal and wina replace "
+                "them): head sparsity needs them; use a neuron selector other than teal or wina"
             )
         self.original, self.predictor = attention, predictor
         self.heads = attention.config.num_attention_heads

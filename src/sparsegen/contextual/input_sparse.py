@@ -29,7 +29,9 @@ class InputSparseLinear(nn.Module):
     returns their outputs side by side. One row (a decode step) reads only the kept inputs' weight
     rows; more rows run the dense product of the masked input, which is the same arithmetic."""
 
-    def __init__(self, linears: Sequence[nn.Linear], sparsity: float, shared: bool = False) -> None:
+    def __init__(
+        self, linears: Sequence[nn.Linear], sparsity: float, shared: bool = False, weighted: bool = False
+    ) -> None:
         super().__init__()
         self.shared = shared  # on a GPU, several rows read the union of their kept inputs' rows once
         self.linears = tuple(linears)  # registered in the wrapped module already; here for the dense case
@@ -38,6 +40,8 @@ class InputSparseLinear(nn.Module):
         self.keep = min(self.in_features, max(1, round((1 - sparsity) * self.in_features)))
         weight_t = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
         self.register_buffer("weight_t", weight_t, persistent=False)  # [in, sum of outs]
+        # WINA: an input's score is |x| times the norm of the weights it multiplies (None: |x| alone)
+        self.register_buffer("input_norms", weight_t.norm(dim=1) if weighted else None, persistent=False)
         has_bias = any(linear.bias is not None for linear in linears)
         bias = torch.cat([_bias(linear) for linear in linears]) if has_bias else None
         self.register_buffer("bias", bias, persistent=False)
@@ -53,8 +57,8 @@ class InputSparseLinear(nn.Module):
         return F.embedding_bag(top, self.weight_t, self.bags, per_sample_weights=row[top], mode="sum")
 
     def kept(self, rows: torch.Tensor) -> torch.Tensor:
-        """Each row's kept inputs [rows, keep]: its largest |x|."""
-        return rows.abs().topk(self.keep, dim=-1, sorted=False).indices
+        """Each row's kept inputs [rows, keep]: its largest scores (`input_scores`)."""
+        return input_scores(rows, self.input_norms).topk(self.keep, dim=-1, sorted=False).indices
 
     def gathered_per_row(self, rows: torch.Tensor) -> torch.Tensor:
         """[rows, outs] by the Triton gather-GEMV: each row reads only its own kept inputs' rows."""
@@ -88,12 +92,14 @@ class InputSparseLinear(nn.Module):
 class InputSparseAttention(nn.Module):
     """A layer's attention with input-sparse q/k/v (one selection) and o projections."""
 
-    def __init__(self, attention: nn.Module, qkv_sparsity: float, o_sparsity: float, shared: bool = False) -> None:
+    def __init__(
+        self, attention: nn.Module, qkv_sparsity: float, o_sparsity: float, shared: bool = False, weighted: bool = False
+    ) -> None:
         super().__init__()
         self.original = attention
         projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-        self.qkv = InputSparseLinear(projections, qkv_sparsity, shared)
-        self.o = InputSparseLinear([attention.o_proj], o_sparsity, shared)
+        self.qkv = InputSparseLinear(projections, qkv_sparsity, shared, weighted)
+        self.o = InputSparseLinear([attention.o_proj], o_sparsity, shared, weighted)
         self.rotate = rotary(attention)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
@@ -119,17 +125,25 @@ class InputSparseMLP(nn.Module):
         in_sparsity: float,
         h_sparsity: float,
         shared: bool = False,
+        weighted: bool = False,
     ):
         super().__init__()
         self.original, self.selector, self.act, self.gated = mlp, selector, parts.act, parts.gate is not None
-        self.gate_up = InputSparseLinear([parts.gate, parts.up] if self.gated else [parts.up], in_sparsity, shared)
-        self.down = InputSparseLinear([parts.down], h_sparsity, shared)
+        inputs = [parts.gate, parts.up] if self.gated else [parts.up]
+        self.gate_up = InputSparseLinear(inputs, in_sparsity, shared, weighted)
+        self.down = InputSparseLinear([parts.down], h_sparsity, shared, weighted)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return self.down(self.act(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
+
+
+def input_scores(rows: torch.Tensor, norms: torch.Tensor | None) -> torch.Tensor:
+    """How much each input [.., in] matters to the product: |x| (TEAL), or |x| times the norm of the
+    weights it multiplies (WINA: a large input on small weights changes the output less)."""
+    return rows.abs() if norms is None else rows.abs() * norms
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor:

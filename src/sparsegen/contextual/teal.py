@@ -8,11 +8,12 @@ projection keeps every step's shapes fixed (one compiled graph). Execution: `inp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from sparsegen.contextual.input_sparse import InputSparseAttention, InputSparseMLP
+from sparsegen.contextual.input_sparse import InputSparseAttention, InputSparseMLP, input_scores
 from sparsegen.contextual.parts import mlp_parts
 from sparsegen.contextual.selector import Selector, register_selector
 from sparsegen.errors import SparsegenError
@@ -30,6 +31,7 @@ class TealSelector(Selector):
 
     name = "teal"
     needs_hidden = True
+    weighted: ClassVar[bool] = False  # scores |x| alone (WINA, its subclass, weighs them)
 
     batch_selection: str = "per-row"
     """On a GPU, how the rows of a batch read the weights: "per-row" (each its own kept inputs'
@@ -54,15 +56,17 @@ class TealSelector(Selector):
         return {group: min(0.95, self.sparsity * SPLIT[group] / weighted) for group in sizes}
 
     def keep(self, x, gate_act, hidden):
-        """The down projection's choice: each token's top-k |h|."""
+        """The down projection's choice: each token's top-k scores of h."""
         mask = torch.zeros_like(hidden, dtype=torch.bool)
-        return mask.scatter_(-1, hidden.abs().topk(self.down_keep, dim=-1, sorted=False).indices, True)
+        top = input_scores(hidden, self.down_norms).topk(self.down_keep, dim=-1, sorted=False).indices
+        return mask.scatter_(-1, top, True)
 
     def install(self, layer: nn.Module) -> None:
-        shares, shared = self.shares(layer), self.batch_selection == "shared"
-        layer.self_attn = InputSparseAttention(layer.self_attn, shares["qkv"], shares["o"], shared)
-        layer.mlp = InputSparseMLP(layer.mlp, mlp_parts(layer.mlp), self, shares["mlp_in"], shares["down"], shared)
-        self.down_keep = layer.mlp.down.keep
+        shares, shared, weighted = self.shares(layer), self.batch_selection == "shared", self.weighted
+        layer.self_attn = InputSparseAttention(layer.self_attn, shares["qkv"], shares["o"], shared, weighted)
+        parts = mlp_parts(layer.mlp)
+        layer.mlp = InputSparseMLP(layer.mlp, parts, self, shares["mlp_in"], shares["down"], shared, weighted)
+        self.down_keep, self.down_norms = layer.mlp.down.keep, layer.mlp.down.input_norms
 
 
 def projection_groups(layer: nn.Module) -> dict[str, list[nn.Linear]]:
