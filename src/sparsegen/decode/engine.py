@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 
 from sparsegen.decode.handover import slots_of, stack_layer
+from sparsegen.decode.reading import read
+from sparsegen.decode.shared import SharedPrefill
 from sparsegen.decode.state import StaticKV
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, few_row_linears, pack_weights, restore_linears, use_gemv
@@ -26,9 +28,7 @@ from sparsegen.kv.attention import require_policy_attention
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
-from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import read
 from sparsegen.models import model_device
 
 COMPILE_MODES = ("auto", "always", "never")
@@ -58,7 +58,7 @@ class Decoder:
     `COMPILE_AFTER` steps with at least `COMPILE_PAYS_AFTER` still to come (a short answer never
     waits for a compile), "always", or "never". Compiled code is cached on disk between runs.
     Prompts are read `prefill_chunk` tokens per forward (None: one forward), the policy evicting
-    between chunks (a prompt compressed once, by a prefill-only policy, in one forward: `kv.read`).
+    between chunks (a prompt compressed once, by a prefill-only policy, in one forward: `decode.reading.read`).
     Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
     bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
     (measured slower; bf16 halves the cache where memory, not time, is short), and the model's

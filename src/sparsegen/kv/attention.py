@@ -10,7 +10,7 @@ budget. Leaving the block undoes both; nothing is switched or registered at impo
 
 The fast decode path (`sparsegen.decode`) calls the model with a `static_kv` keyword instead of a
 cache: the same function then writes, attends and evicts in that state's fixed-shape buffers.
-A packed read of several prompts (`kv.stream.read_packed`) passes `packed` instead: the function
+A packed read of several prompts (`decode.reading.read_packed`) passes `packed` instead: the function
 then runs once per prompt's span, each with that prompt's own cache, as a read of it alone would.
 """
 

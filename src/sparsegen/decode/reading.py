@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsegen.decode.forward import as_given, read_rows, token_rows
+from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import PackedPrompts, policy_attention
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.forward import as_given, read_rows, token_rows
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
-from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.spec import KVSpec
 from sparsegen.models import decoder_layers
 
@@ -130,7 +130,7 @@ def reads_whole(cache: PolicyCache) -> bool:
 
 def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logits: bool) -> torch.Tensor:
     """A policy that scores the prompt by the model re-reading it (`kv.kvzip`): `rows` [b, n] read
-    in one forward under the full cache, re-read, then replayed into `cache` (`kv.shared`); the
+    in one forward under the full cache, re-read, then replayed into `cache` (`decode.shared`); the
     last token's logits [b, vocab]."""
     if all_logits:
         raise SparsegenError(
