@@ -14,7 +14,7 @@ import torch
 from sparsegen.decode.forward import as_given, read_rows, token_rows
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.attention import PackedPrompts, policy_attention
+from sparsegen.kv.attention import PackedEngine, policy_attention
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
@@ -107,10 +107,13 @@ def read_packed(
     positions = torch.cat([torch.arange(len(prompt), device=device) for prompt in prompts])[None]
     ends = torch.tensor([len(prompt) for prompt in prompts]).cumsum(0)
     bounds = [(int(end) - len(prompt), int(end)) for prompt, end in zip(prompts, ends, strict=True)]
-    packed = PackedPrompts(caches, bounds)
     with stoppable(model, stop), policy_attention(model):
         out = model(
-            input_ids=ids, position_ids=positions, use_cache=False, packed=packed, logits_to_keep=(ends - 1).to(device)
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=False,
+            attention_engine=PackedEngine(caches, bounds),
+            logits_to_keep=(ends - 1).to(device),
         )
     return out.logits[0].float()
 
