@@ -267,8 +267,8 @@ def generate_drop_in(model, ids: torch.Tensor, cache, new: int) -> list[int]:
     """transformers' generate() over a policy cache, greedy, one row: the eager engine the fast path
     must equal. A policy that scores the prompt by re-reading it (KVzip) is handed the prompt by
     `read` (as its docs say), then generate() continues the cache from the first new token."""
+    from sparsegen.decode.reading import read
     from sparsegen.kv.attention import policy_attention
-    from sparsegen.kv.stream import read
 
     start = ids.shape[1]
     with policy_attention(model), torch.inference_mode():  # read's tensors are inference tensors

@@ -226,8 +226,8 @@ def test_each_row_holds_at_most_its_budget_in_fixed_buffers():
 
 
 def test_the_fast_path_refuses_to_step_without_sparsegens_attention():
-    """Outside policy_attention the model's own sdpa would ignore `static_kv` and attend over one
-    token: the step says so in one line instead of decoding garbage."""
+    """Outside policy_attention the model's own sdpa would ignore the `attention_engine` and attend
+    over one token: the step says so in one line instead of decoding garbage."""
     model = build_tiny("llama")
     decoder = Decoder(model, KVSpec.of("streaming", sinks=2, recent=6), compile="never")
     with policy_attention(model):

@@ -11,8 +11,8 @@ from serving import live_server
 from test_serve import _ask_together
 
 import sparsegen
-from sparsegen.decode import generate
-from sparsegen.kv import make_cache, stream
+from sparsegen.decode import generate, stream
+from sparsegen.kv import make_cache
 from sparsegen.kv.spec import KVSpec
 from sparsegen.quant.gguf_blocks import GGUFLinear
 from tests.kv_reference import TABLE, generate_drop_in

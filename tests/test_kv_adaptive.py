@@ -6,8 +6,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparsegen.decode import Decoder, generate
 from sparsegen.errors import SparsegenError
+from sparsegen.eval.calibrate_heads import calibrate_heads, save_heads
 from sparsegen.kv import make_cache, make_policy, policy_attention
-from sparsegen.kv.duo_attention import calibrate_heads, save_heads
 from sparsegen.kv.spec import KVSpec
 from tests.conftest import COMMON, build_tiny, tiny_tokenizer
 
@@ -93,7 +93,7 @@ def test_calibrate_heads_equals_the_needle_share_of_eager_attention_weights():
     summed over each KV head's group, the needle's share of them, averaged over the samples."""
     import random
 
-    from sparsegen.kv.duo_attention import passkey_prompt
+    from sparsegen.eval.calibrate_heads import passkey_prompt
 
     model, tokenizer = build_tiny("llama", attn="eager"), tiny_tokenizer()
     scores = calibrate_heads(model, tokenizer, samples=2, length=96, seed=3)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from sparsegen.decode import generate
-from sparsegen.kv import make_cache, stream
+from sparsegen.decode import generate, stream
+from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny

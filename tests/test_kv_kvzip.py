@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from sparsegen.decode import generate
+from sparsegen.decode.reading import read
+from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache, make_policy, policy_attention
-from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import read
 from tests.conftest import ARCHS, build_tiny
 from tests.kv_reference import generate_drop_in
 
@@ -69,7 +69,7 @@ def test_the_fast_path_equals_the_drop_in_cache_after_read_and_rows_equal_single
 
 
 def test_one_prefill_reconstructs_once_for_every_budget(monkeypatch):
-    import sparsegen.kv.shared as shared_module
+    import sparsegen.decode.shared as shared_module
 
     calls = []
     real = shared_module.reconstruct
@@ -103,7 +103,7 @@ def test_the_cache_holds_its_budgets_bytes():
 def test_what_kvzip_cannot_do_is_a_one_line_error():
     model = build_tiny("llama")
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(6))
-    refused = pytest.raises(SparsegenError, match=r"re-reading it: read the prompt with sparsegen\.kv\.read")
+    refused = pytest.raises(SparsegenError, match=r"re-reading it: read the prompt with sparsegen\.decode\.read")
     with refused, policy_attention(model):
         model.generate(ids, cache=make_cache(model, KVSpec.of("kvzip", budget=8)), max_new_tokens=2, do_sample=False)
     with pytest.raises(SparsegenError, match="drop the prompt's logprobs"):

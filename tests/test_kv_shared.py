@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from sparsegen.decode import Decoder, generate
+from sparsegen.decode.reading import read
+from sparsegen.decode.shared import SharedPrefill
 from sparsegen.kv import PolicyLayer, make_cache, make_policy
-from sparsegen.kv.shared import SharedPrefill
-from sparsegen.kv.stream import read
 from tests.conftest import ARCHS, build_tiny
 from tests.kv_reference import TABLE
 

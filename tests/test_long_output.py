@@ -4,12 +4,12 @@ the drop-in cache and the dense forward in float64."""
 import pytest
 import torch
 
+from sparsegen.decode.reading import read
 from sparsegen.errors import SparsegenError
 from sparsegen.eval.long_output import follow_full_output, long_output_prompt
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import read
 from tests.conftest import build_tiny, tiny_tokenizer
 
 

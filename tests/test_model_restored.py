@@ -7,14 +7,14 @@ import torch
 from conftest import build_tiny, tiny_tokenizer
 from serving import live_server
 
-from sparsegen.decode import generate
+from sparsegen.decode import generate, stream
 from sparsegen.decode.chat import StreamingChat
+from sparsegen.decode.shared import SharedPrefill
+from sparsegen.eval.calibrate_heads import calibrate_heads
 from sparsegen.eval.harness import SparsegenLM
 from sparsegen.eval.needle import needle_job
 from sparsegen.eval.stream_ppl import PolicyRun, stream_compare
-from sparsegen.kv import make_cache, make_policy, stream
-from sparsegen.kv.duo_attention import calibrate_heads
-from sparsegen.kv.shared import SharedPrefill
+from sparsegen.kv import make_cache, make_policy
 from sparsegen.kv.spec import KVSpec
 from sparsegen.prompt.prompted import PromptedModel
 from sparsegen.prompt.soft import SoftPrompt

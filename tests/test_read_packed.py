@@ -1,4 +1,4 @@
-"""Prompts read packed in one forward (`kv.stream.read_packed`, the server's waiting prompts) equal
+"""Prompts read packed in one forward (`decode.reading.read_packed`, the server's waiting prompts) equal
 each prompt read alone: the same last logits, the same tokens kept by the policy."""
 
 import threading
@@ -9,10 +9,10 @@ from conftest import build_tiny, tiny_tokenizer
 
 import sparsegen
 import sparsegen.serve.batching as batching
+from sparsegen.decode.reading import packable, read, read_packed
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import packable, read, read_packed
 from sparsegen.serve.events import Done, Failed, Token
 from sparsegen.serve.jobs import GenerationRequest
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import build_tiny, tiny_tokenizer
 
+from sparsegen.decode.reading import Abandoned, read
 from sparsegen.kv import make_cache, make_policy
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import Abandoned, read
 from sparsegen.models import decoder_layers
 from sparsegen.serve.batching import Engine
 from sparsegen.serve.events import Done, Failed

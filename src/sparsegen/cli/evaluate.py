@@ -208,7 +208,7 @@ def calibrate_heads_command(
     device: str | None = DeviceOpt,
 ) -> None:
     """Which KV heads retrieve (duo_attention's heads=): attention paid to passkey needles while answering."""
-    from sparsegen.kv.duo_attention import calibrate_heads, save_heads
+    from sparsegen.eval.calibrate_heads import calibrate_heads, save_heads
     from sparsegen.loading import load
 
     if samples < 1 or length < 64:

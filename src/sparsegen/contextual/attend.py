@@ -11,7 +11,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from sparsegen.kv.attention import policy_layer_of
+from sparsegen.kv.attention import cache_engine
 
 
 def rotary(attention: nn.Module) -> Callable:
@@ -32,8 +32,8 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attention`'s output before o_proj [b, t, heads, head_dim] and its weights, from query, key and
     value [b, heads, t, head_dim] as the projections give them. A policy cache's layer goes to the
-    attention function as `policy_layer`, as the hook of `kv.attention` passes it to the module
-    this one replaces."""
+    attention function as its `attention_engine`, as the hook of `kv.attention` passes it to the
+    module this one replaces."""
     if hasattr(attention, "q_norm"):
         query, key = attention.q_norm(query), attention.k_norm(key)
     query, key = rotate(query, key, *position_embeddings)
@@ -41,8 +41,8 @@ def attend(
         key, value = cache.update(key, value, attention.layer_idx)
     config = attention.config
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
-    layer = policy_layer_of(cache, attention.layer_idx)
-    if layer is not None:
-        kwargs["policy_layer"] = layer
+    engine = cache_engine(cache, attention.layer_idx)
+    if engine is not None:
+        kwargs["attention_engine"] = engine
     kwargs.setdefault("sliding_window", getattr(attention, "sliding_window", getattr(config, "sliding_window", None)))
     return interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)

@@ -1,6 +1,6 @@
 """One context's keys and values read once per step by every row that kept part of it.
 
-A RULER sample's policies each keep a subset of the same context (`kv.shared.SharedPrefill`):
+A RULER sample's policies each keep a subset of the same context (`decode.shared.SharedPrefill`):
 decoding them as copies reads every row's copy each step, tens of rows x thousands of tokens. Here
 the rows' queries meet the context's keys in one product per head (a matrix product, not a
 matrix-vector product per row), each row masked to the tokens its policy kept; the softmax runs

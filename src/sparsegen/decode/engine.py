@@ -3,8 +3,9 @@
 Rows of a batch are prefilled apart (rows of equal length together) through the ordinary policy
 cache, so each row is exactly its single-row run and no padding ever enters a cache; their states
 are then moved into one `StaticKV` whose shapes never change. Each step calls the transformers
-model itself with `static_kv=`: sparsegen's registered attention function writes, attends and
-evicts in those buffers, so every architecture the policy cache supports runs here unchanged.
+model itself with `attention_engine=StaticKVEngine(state)`: sparsegen's registered attention
+function hands every call to that engine, which writes, attends and evicts in those buffers, so
+every architecture the policy cache supports runs here unchanged.
 """
 
 from __future__ import annotations
@@ -15,20 +16,21 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from sparsegen.decode.handover import slots_of, stack_layer
+from sparsegen.decode.reading import read
+from sparsegen.decode.shared import SharedPrefill
 from sparsegen.decode.state import StaticKV
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, few_row_linears, pack_weights, restore_linears, use_gemv
-from sparsegen.kv.attention import require_policy_attention
+from sparsegen.kv.attention import AttentionEngine, require_policy_attention
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
-from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import read
 from sparsegen.models import model_device
 
 COMPILE_MODES = ("auto", "always", "never")
@@ -58,7 +60,7 @@ class Decoder:
     `COMPILE_AFTER` steps with at least `COMPILE_PAYS_AFTER` still to come (a short answer never
     waits for a compile), "always", or "never". Compiled code is cached on disk between runs.
     Prompts are read `prefill_chunk` tokens per forward (None: one forward), the policy evicting
-    between chunks (a prompt compressed once, by a prefill-only policy, in one forward: `kv.read`).
+    between chunks (a prompt compressed once, by a prefill-only policy, in one forward: `decode.reading.read`).
     Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
     bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
     (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
@@ -283,8 +285,23 @@ class Decoder:
         return logits
 
 
+@dataclass
+class StaticKVEngine(AttentionEngine):
+    """The fast path's attention engine: each layer writes the new key and value into its row's
+    free slot of `state` and attends over the live slots (`LayerState.write`, `attend`, which lets
+    the policy score and picks the next slot); no cache is involved."""
+
+    state: StaticKV
+
+    def attend(self, base, module, query, key, value, mask, scaling, kwargs):
+        layer = self.state.layers[module.layer_idx]
+        layer.write(key, value, self.state.seen - 1)
+        return layer.attend(query, scaling, self.state.seen.view(-1, 1, 1)), None
+
+
 class DecodeStep(torch.nn.Module):
-    """One token per row through the model, attending over `static_kv`: the graph that compiles."""
+    """One token per row through the model, attending over `state` (`StaticKVEngine`): the graph
+    that compiles."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -295,7 +312,7 @@ class DecodeStep(torch.nn.Module):
             input_ids=tokens[:, None],
             position_ids=(state.seen - 1)[:, None],
             use_cache=False,
-            static_kv=state,
+            attention_engine=StaticKVEngine(state),
             logits_to_keep=1,
         )
         return out.logits[:, -1].float()

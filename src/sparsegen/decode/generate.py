@@ -10,10 +10,10 @@ from typing import NamedTuple
 import torch
 
 from sparsegen.decode.engine import Decoder
+from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import Policy
-from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.spec import KVSpec
 from sparsegen.sampling import StopRule, Verdict, as_token_set, choose, stop_tokens
 

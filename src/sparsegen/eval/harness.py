@@ -139,7 +139,7 @@ class SparsegenLM(HFLM):
     @torch.inference_mode()
     def policy_logits(self, tokens: list[int], read: int) -> torch.Tensor:
         """Logits [n - read, vocab] of `tokens[read:]`, after `tokens[:read]` went through a policy cache."""
-        from sparsegen.kv.stream import read as read_into
+        from sparsegen.decode.reading import read as read_into
 
         cache = self._make_cache(max(read, 1))
         read_into(self.model, tokens[:read], cache, self.chunk)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from sparsegen.data import tokenize_long
+from sparsegen.decode.reading import read
 from sparsegen.ioutil import write_json
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import read
 
 NEEDLE = " The secret passkey is {key}. Remember it: the secret passkey is {key}. "
 QUESTION = "\n\nWhat is the secret passkey? The secret passkey is"

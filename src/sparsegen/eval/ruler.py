@@ -1,6 +1,6 @@
 """RULER accuracy per KV policy and compression ratio, as kvpress's leaderboard measures it.
 
-Each sample's context is read once (`kv.shared.SharedPrefill`); every policy x ratio then gets the
+Each sample's context is read once (`decode.shared.SharedPrefill`); every policy x ratio then gets the
 cache it would have made reading that context itself, and the question and answer are decoded
 over what it kept (a row per cell, one batch for every cell that reads the context's keys
 shared, `decode.context`). A compression ratio is the share of the tokens read before the
@@ -82,8 +82,8 @@ def _cells(settings: RulerSettings) -> list[tuple[str, float]]:
 
 
 def _read_alone(model, context: list[int], kv: KVSpec):
+    from sparsegen.decode.reading import read
     from sparsegen.kv import make_cache
-    from sparsegen.kv.stream import read
 
     cache = make_cache(model, kv.resolved(len(context)))
     read(model, context, cache)
@@ -118,7 +118,7 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
 def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings) -> list[dict]:
     """Every policy x ratio on one sample, from one prefill of its context."""
     from sparsegen.decode import generate
-    from sparsegen.kv.shared import SharedPrefill
+    from sparsegen.decode.shared import SharedPrefill
 
     context = tokenizer(sample.context, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
     question = tokenizer(sample.question, add_special_tokens=False)["input_ids"]

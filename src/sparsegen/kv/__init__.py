@@ -14,7 +14,6 @@ from sparsegen.kv.factory import make_cache
 from sparsegen.kv.policy import POLICIES, Policy, Sizes, Step, make_policy, register_policy, resolve_budget
 from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import StreamStep, stream
 
 # Every module of this package is imported, so a policy registers itself by existing as a file.
 for _module in pkgutil.iter_modules(__path__):
@@ -28,11 +27,9 @@ __all__ = [
     "PolicyLayer",
     "Sizes",
     "Step",
-    "StreamStep",
     "make_cache",
     "make_policy",
     "policy_attention",
     "register_policy",
     "resolve_budget",
-    "stream",
 ]

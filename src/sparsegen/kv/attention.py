@@ -2,22 +2,26 @@
 
 transformers hands each attention module the cache (`cache`) and passes the module's
 other keywords on to the attention function. Inside `with policy_attention(model):` the model
-runs sparsegen's wrapper of its attention implementation, and a forward pre-hook on every attention
-module adds the module's own policy layer as the `policy_layer` keyword, so the attention function
-gets its layer as an argument: it computes the attention as usual, then hands the layer this
-call's queries, keys and weights, and the layer lets its policy score and evict down to the
-budget. Leaving the block undoes both; nothing is switched or registered at import.
+runs sparsegen's wrapper of its attention implementation, and every call of it is run by an
+`AttentionEngine`, the one `attention_engine` keyword a model call may carry:
 
-The fast decode path (`sparsegen.decode`) calls the model with a `static_kv` keyword instead of a
-cache: the same function then writes, attends and evicts in that state's fixed-shape buffers.
-A packed read of several prompts (`kv.stream.read_packed`) passes `packed` instead: the function
-then runs once per prompt's span, each with that prompt's own cache, as a read of it alone would.
+- `PolicyLayerEngine` (the drop-in cache): a forward pre-hook on every attention module hands the
+  module's own layer of the policy cache to a call that names no engine, so
+  `model(..., cache=cache)` computes the attention as usual, then the layer lets its policy score
+  and evict down to the budget;
+- `PackedEngine` (`model(..., attention_engine=PackedEngine(caches, bounds))`, `decode.reading.read_packed`):
+  several prompts packed in one forward, each span attended and written as a read of it alone;
+- the fast decode path's engine (`decode.engine.StaticKVEngine`): the same function then writes,
+  attends and evicts in that state's fixed-shape buffers.
+
+A call with no engine is the model's own attention. Leaving the block undoes the switch and the
+hooks; nothing is switched or registered at import.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -42,10 +46,13 @@ def policy_layer_of(cache, index: int | None):
     return layers[index]
 
 
-def _hand_policy_layer(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of an attention module: its layer of a policy cache, as `policy_layer`."""
-    layer = policy_layer_of(kwargs.get("cache"), getattr(module, "layer_idx", None))
-    return None if layer is None else (args, {**kwargs, "policy_layer": layer})
+def _hand_cache_engine(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of an attention module: a call that names no engine runs its layer of a
+    policy cache (`PolicyLayerEngine`)."""
+    if kwargs.get("attention_engine") is not None:
+        return None
+    engine = cache_engine(kwargs.get("cache"), getattr(module, "layer_idx", None))
+    return None if engine is None else (args, {**kwargs, "attention_engine": engine})
 
 
 def _fit_mask(mask: torch.Tensor, keys: int, queries: int) -> torch.Tensor:
@@ -69,64 +76,92 @@ def _refuse_padding(mask: torch.Tensor | None) -> None:
         )
 
 
+class AttentionEngine:
+    """What runs one call of sparsegen's attention function: where the call's keys and values go
+    and what happens after the attention. A model call names its engine as `attention_engine`
+    (or, for a policy cache, the module's hook does), so the call site shows which one is live."""
+
+    def attend(
+        self,
+        base: Callable,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention output [b, q, heads, d] and its weights (or None), as transformers'
+        functions return them; `base` is the model's own attention function (sdpa or eager),
+        `kwargs` the call's other keywords for it."""
+        raise NotImplementedError
+
+
 @dataclass
-class PackedPrompts:
+class PolicyLayerEngine(AttentionEngine):
+    """The drop-in cache: the attention as the model computes it (or as `layer` computes it, for
+    heads of different lengths and a re-reading that records), then `layer`'s policy scores and
+    evicts."""
+
+    layer: PolicyLayer
+
+    def attend(self, base, module, query, key, value, mask, scaling, kwargs):
+        layer = self.layer
+        out = layer.own_attention(query, key, value, scaling)
+        if out is not None:
+            layer.after_attention(query, key, scaling, values=value)
+            return out, None
+        if mask is not None:
+            mask = _fit_mask(mask, key.shape[-2], query.shape[-2])
+        out, weights = base(module, query, key, value, mask, scaling=scaling, **kwargs)
+        if layer.check_padding:
+            layer.check_padding = False
+            _refuse_padding(mask)
+        layer.after_attention(query, key, scaling, weights, values=value)
+        return out, weights
+
+
+def cache_engine(cache, index: int | None) -> PolicyLayerEngine | None:
+    """The engine of layer `index` of a policy cache, or None (no cache, another kind of cache or layer)."""
+    layer = policy_layer_of(cache, index)
+    return None if layer is None else PolicyLayerEngine(layer)
+
+
+@dataclass
+class PackedEngine(AttentionEngine):
     """Prompts packed end to end in one forward: prompt i spans `bounds[i]` of the sequence and is
-    read into `caches[i]`, a fresh policy cache of its own."""
+    read into `caches[i]`, a fresh policy cache of its own. Each span attends to itself only:
+    written to its own cache, then attended and scored exactly as a read of that prompt alone
+    (causal within the span)."""
 
     caches: list
     bounds: list[tuple[int, int]]
 
+    def attend(self, base, module, query, key, value, mask, scaling, kwargs):
+        outs = []
+        for cache, (start, end) in zip(self.caches, self.bounds, strict=True):
+            keys, values = cache.update(key[:, :, start:end], value[:, :, start:end], module.layer_idx)
+            causal = None  # sdpa: causal by itself when queries and keys are the same span
+            if base is eager_attention_forward:
+                causal = torch.full((end - start, end - start), torch.finfo(query.dtype).min, device=query.device)
+                causal = causal.triu(1)[None, None].to(query.dtype)
+            span = query[:, :, start:end]
+            engine = cache_engine(cache, module.layer_idx)
+            if engine is None:
+                out, _ = base(module, span, keys, values, causal, scaling=scaling, **kwargs)
+            else:
+                out, _ = engine.attend(base, module, span, keys, values, causal, scaling, kwargs)
+            outs.append(out)
+        return torch.cat(outs, dim=1), None  # [batch, tokens, heads, head_dim], as transformers' functions return
 
-def _attend_packed(attention, base, module, query, key, value, packed: PackedPrompts, scaling, kwargs):
-    """Each prompt's span attends to itself only: written to its own cache, then attended and
-    scored by `attention` exactly as a read of that prompt alone (causal within the span)."""
-    outs = []
-    for cache, (start, end) in zip(packed.caches, packed.bounds, strict=True):
-        keys, values = cache.update(key[:, :, start:end], value[:, :, start:end], module.layer_idx)
-        mask = None  # sdpa: causal by itself when queries and keys are the same span
-        if base is eager_attention_forward:
-            mask = torch.full((end - start, end - start), torch.finfo(query.dtype).min, device=query.device)
-            mask = mask.triu(1)[None, None].to(query.dtype)
-        layer = policy_layer_of(cache, module.layer_idx)
-        out, _ = attention(module, query[:, :, start:end], keys, values, mask, scaling, policy_layer=layer, **kwargs)
-        outs.append(out)
-    return torch.cat(outs, dim=1)  # [batch, tokens, heads, head_dim], as transformers' functions return
 
-
-def _make_attention(base):
-    def attention(
-        module,
-        query,
-        key,
-        value,
-        attention_mask,
-        scaling=None,
-        static_kv=None,
-        policy_layer=None,
-        packed=None,
-        **kwargs,
-    ):
+def _make_attention(base: Callable) -> Callable:
+    def attention(module, query, key, value, attention_mask, scaling=None, attention_engine=None, **kwargs):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if packed is not None:
-            return _attend_packed(attention, base, module, query, key, value, packed, scaling, kwargs), None
-        if static_kv is not None:
-            state = static_kv.layers[module.layer_idx]
-            state.write(key, value, static_kv.seen - 1)
-            return state.attend(query, scaling, static_kv.seen.view(-1, 1, 1)), None
-        out = None if policy_layer is None else policy_layer.own_attention(query, key, value, scaling)
-        if out is not None:  # heads of different lengths, or a re-reading that records what it attends to
-            policy_layer.after_attention(query, key, scaling, values=value)
-            return out, None
-        if policy_layer is not None and attention_mask is not None:
-            attention_mask = _fit_mask(attention_mask, key.shape[-2], query.shape[-2])
-        out, weights = base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        if policy_layer is not None:
-            if policy_layer.check_padding:
-                policy_layer.check_padding = False
-                _refuse_padding(attention_mask)
-            policy_layer.after_attention(query, key, scaling, weights, values=value)
-        return out, weights
+        if attention_engine is None:
+            return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return attention_engine.attend(base, module, query, key, value, attention_mask, scaling, kwargs)
 
     return attention
 
@@ -146,7 +181,8 @@ def is_policy_attention(model: torch.nn.Module) -> bool:
 
 def require_policy_attention(model: torch.nn.Module) -> None:
     """The fast path's KV reaches attention only through sparsegen's attention function (any
-    other one ignores `static_kv` and would attend over one token): refuse to step without it."""
+    other one ignores its `attention_engine` and would attend over one token): refuse to step
+    without it."""
     if not is_policy_attention(model):
         raise SparsegenError(
             f"the model's attention is {model.config._attn_implementation!r}, which cannot read the fast path's KV: "
@@ -169,8 +205,8 @@ def check_supported(model: torch.nn.Module) -> str:
 def policy_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Run `model` under KV policies for the block: its attention implementation (sdpa or eager)
     is switched to sparsegen's wrapper (same numbers) and each attention module is hooked to hand
-    its policy layer to it; on exit both are undone and the model is as it came in. Nested blocks
-    leave the switching to the outermost one."""
+    a call that names no engine its policy layer's (`PolicyLayerEngine`); on exit both are undone
+    and the model is as it came in. Nested blocks leave the switching to the outermost one."""
     if is_policy_attention(model):
         yield model
         return
@@ -178,7 +214,7 @@ def policy_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     _register()
     model.set_attn_implementation(PREFIX + current)
     handles = [
-        module.register_forward_pre_hook(_hand_policy_layer, with_kwargs=True)
+        module.register_forward_pre_hook(_hand_cache_engine, with_kwargs=True)
         for module in model.modules()
         if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "q_proj")
     ]

@@ -5,7 +5,7 @@ read, every head keeps its sinks and recent window, and the rest of the layer's 
 whole heads in order of how much they retrieve: retrieval heads keep everything, streaming heads
 only their window (one head at the boundary keeps part, its newest tokens first).
 
-How much a head retrieves comes from a calibration (`calibrate_heads`: the attention each head
+How much a head retrieves comes from a calibration (`eval.calibrate_heads`: the attention each head
 pays to the needle of synthetic passkey prompts while answering, saved as JSON and given as
 `heads=`), or, without one, from the prompt itself: the share of its last `recent` queries'
 attention that falls outside the sinks and that window. The paper learns its gates by
@@ -15,14 +15,13 @@ optimisation; this keeps its split at a calibration of seconds.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.policy import KEEP, Policy, attention_received, register_policy
+from sparsegen.kv.policy import KEEP, Policy, register_policy
 
 TIE_BREAK = 1e-6
 """Within a head, newer tokens rank a little higher (the boundary head keeps its newest first)."""
@@ -82,54 +81,3 @@ class DuoAttentionPolicy(Policy):
     def priority(self, step):
         ranked = step.scores.double() + TIE_BREAK * step.positions / max(1, step.seen)  # fp32 would tie them
         return ranked.masked_fill(step.is_sink() | step.is_recent(), KEEP)
-
-
-def passkey_prompt(tokenizer, length: int, rng: random.Random) -> tuple[list[int], range, int]:
-    """A synthetic passkey prompt of about `length` tokens, answered: (ids, the needle's token
-    span, how many answer tokens end it)."""
-    filler = tokenizer(" The grass is green. The sky is blue. The sun is yellow. Here we go.", add_special_tokens=False)
-    key = str(rng.randrange(10_000, 100_000))
-    needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key.", add_special_tokens=False)
-    question = tokenizer(" What is the pass key? The pass key is", add_special_tokens=False)["input_ids"]
-    answer = tokenizer(f" {key}.", add_special_tokens=False)["input_ids"]
-    repeats = max(2, (length - len(needle["input_ids"]) - len(question)) // len(filler["input_ids"]))
-    before = rng.randrange(1, repeats)
-    head = filler["input_ids"] * before
-    ids = head + needle["input_ids"] + filler["input_ids"] * (repeats - before) + question + answer
-    return ids, range(len(head), len(head) + len(needle["input_ids"])), len(answer)
-
-
-@torch.inference_mode()
-def calibrate_heads(model, tokenizer, samples: int = 4, length: int = 1024, seed: int = 0) -> torch.Tensor:
-    """Retrieval score of every layer's KV heads [layers, kv_heads]: the share of the attention the
-    answer's tokens pay to the needle of `samples` passkey prompts (layers without a policy, such
-    as Gemma 3's sliding ones, score 0)."""
-    from sparsegen.kv.attention import policy_attention
-    from sparsegen.kv.shared import SharedPrefill
-
-    rng = random.Random(seed)
-    total = None
-    with policy_attention(model):
-        for _ in range(samples):
-            ids, needle, answer = passkey_prompt(tokenizer, length, rng)
-            record = SharedPrefill(model, ids).record
-            rows = []
-            for layer in record.layers:
-                call = getattr(layer, "recorded", None)
-                if call is None:
-                    rows.append(None)
-                    continue
-                received = attention_received(call.query[:, :, -answer:], call.keys, call.scaling)
-                share = received[0, :, needle.start : needle.stop].sum(-1) / received[0].sum(-1)
-                rows.append(share)
-            some = next(row for row in rows if row is not None)
-            scores = torch.stack([row if row is not None else torch.zeros_like(some) for row in rows]).cpu()
-            total = scores if total is None else total + scores
-    return total / samples
-
-
-def save_heads(scores: torch.Tensor, path: Path | str, model_name: str) -> None:
-    """Write `calibrate_heads`' scores where `heads=` reads them."""
-    from sparsegen.ioutil import write_json
-
-    write_json(Path(path), {"model": model_name, "scores": scores.tolist()})

@@ -36,7 +36,7 @@ def make_cache(
     keys' positions, the KV's bits), or a bare policy name (`full`, `window`, `streaming`, `h2o`,
     ...) or `Policy`, meaning that policy at its defaults. The first `pinned` tokens (a soft prompt
     read before the text) are never evicted and come on top of the budget. `layer_class` is the
-    class of the policy layers (`kv.shared` records the prefill with its own). Full-attention
+    class of the policy layers (`decode.shared` records the prefill with its own). Full-attention
     layers get the policy; sliding-window layers (Gemma 3) keep their own window.
     The cache evicts only while the model runs inside
     `with sparsegen.kv.policy_attention(model):` (sparsegen's attention hands each layer its

@@ -7,8 +7,9 @@ pool, held in exactly the budget's bytes), the first `sinks` tokens always. Deco
 every new token. The score does not depend on any question, so one compressed context answers many.
 
 The re-reading is one more pass over the context, each chunk attending over the context and its
-copy. `kv.stream.read` runs it for a fresh cache whose policy `reconstructs`;
-`kv.shared.SharedPrefill` runs it once per context for every budget. Choices beside kvpress's
+copy. Running it is decode's work (`decode.kvzip_read.reconstruct`): `decode.reading.read` runs it
+for a fresh cache whose policy `reconstructs`, `decode.shared.SharedPrefill` once per context for
+every budget; this module scores with what it found. Choices beside kvpress's
 press: the chunks are re-read without an instruction text ("Repeat the previous context
 exactly."), so no tokenizer is needed and base models work too; the attention is the model's own
 (softmax over the whole cache), where kvpress renormalises it over the sinks, the chunk and its
@@ -61,7 +62,7 @@ class KVzipPolicy(Policy):
         if step.sizes is None or step.positions.shape[-1] <= step.sizes.budget:
             return None  # nothing to choose
         raise SparsegenError(
-            "kvzip scores the prompt by re-reading it: read the prompt with sparsegen.kv.read(model, ids, cache) "
+            "kvzip scores the prompt by re-reading it: read the prompt with sparsegen.decode.read(model, ids, cache) "
             "into a fresh cache (sparsegen.generate and the server do), not through model.generate"
         )
 
@@ -82,39 +83,3 @@ def attention_and_peaks(query: torch.Tensor, keys: torch.Tensor, values: torch.T
         torch.maximum(peak[..., :seen], probabilities.amax(dim=2), out=peak[..., :seen])
         out[:, :, :, start:stop] = (probabilities @ values[..., :seen, :].float()).view(b, hkv, -1, stop - start, d)
     return out.view(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous(), peak
-
-
-@torch.inference_mode()
-def reconstruct(model, record, rows: torch.Tensor, probes) -> list[torch.Tensor | None]:
-    """Per layer of `record` (a `full` cache of `kv.shared` that has just read `rows` [b, n]): the
-    most attention each context token received, over its group's queries, while the model re-read
-    its chunk after the context ([b, h, n] float32; None for a layer without a policy). Each
-    recording layer computes its re-reading's attention itself (`probing`), leaving the peaks in
-    its `peak`. `record` holds the context alone again afterwards, its recorded calls those of the
-    context."""
-    from sparsegen.kv.attention import policy_attention
-    from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
-
-    layers = record.layers
-    calls = [getattr(layer, "recorded", None) for layer in layers]
-    saved = [_layer_state(layer) for layer in layers]
-    b, n = rows.shape
-    peaks = [
-        None if call is None else call.keys.new_zeros(b, call.keys.shape[1], n, dtype=torch.float32) for call in calls
-    ]
-    probing = [(layer, call) for layer, call in zip(layers, calls, strict=True) if call is not None]
-    try:
-        for layer, _ in probing:
-            layer.probing = True
-        with policy_attention(model):
-            for first, start, stop in probes:
-                model(input_ids=rows[:, first:stop], cache=record, use_cache=True, logits_to_keep=1)
-                for layer, peak in zip(layers, peaks, strict=True):
-                    if peak is not None:
-                        peak[..., start:stop] = layer.peak[..., start:stop]
-                for layer, state in zip(layers, saved, strict=True):
-                    _load_layer_state(layer, state)
-    finally:
-        for layer, call in probing:
-            layer.probing, layer.peak, layer.recorded = False, None, call
-    return peaks

@@ -168,7 +168,7 @@ class Policy(ABC):
     rolling positions rotate only the sinks), `prefill_only` (compress once, after the prompt is
     read, then keep every new token), `head_adaptive` (a prefill-only policy whose layer keeps its
     heads' budgets as one pool, the highest priorities of the whole layer: `kv.ragged`),
-    `reconstructs` (scores with `Step.reconstruction`, which `kv.stream.read` computes by letting
+    `reconstructs` (scores with `Step.reconstruction`, which `decode.reading.read` computes by letting
     the model re-read the prompt), `reads_keys` (scores from `Step.keys` while decoding: the fast
     path then reads them as numbers). Budget parts are the fields named sinks, heavy, recent.
     """

@@ -3,7 +3,7 @@
 Every request is a `Job`. The worker thread admits jobs while their KV fits `max_kv_bytes`
 (`serve.admission`: the rest wait in a bounded queue), reads each admitted prompt into a policy
 cache one chunk per iteration (new prompts that wait together and fit one chunk in one packed
-forward: `kv.stream.read_packed`), and then makes it a row of a `Lane`: the rows whose KV specs
+forward: `decode.reading.read_packed`), and then makes it a row of a `Lane`: the rows whose KV specs
 share a step (`KVSpec.step_key`), decoded together by one `Decoder`, one step for all of them
 per iteration. Rows join after their prefill and leave when done (stop token, stop string,
 `max_tokens`, a client gone) between steps; a long prompt delays other rows' tokens by at most
@@ -32,13 +32,13 @@ import torch
 from prometheus_client import generate_latest
 
 from sparsegen.decode import Decoder
+from sparsegen.decode.reading import Abandoned, packable, read, read_packed, reads_whole
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, pack_weights, restore_linears, use_gemv
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.footprint import kv_row_bytes
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.stream import Abandoned, packable, read, read_packed, reads_whole
 from sparsegen.sampling import StopRule, choose, stop_tokens
 from sparsegen.serve.admission import Admission
 from sparsegen.serve.compiling import BackgroundCompile
@@ -263,7 +263,7 @@ class Engine:
 
     def _packable_group(self) -> list[Job]:
         """The waiting jobs, first one first, whose whole prompts fit one `prefill_chunk` together
-        and read packed (`kv.stream.packable`, no prompt logprobs asked); empty when the first
+        and read packed (`decode.reading.packable`, no prompt logprobs asked); empty when the first
         cannot, so no prompt overtakes it."""
         group, room = [], self.prefill_chunk
         for job in self.prefilling:

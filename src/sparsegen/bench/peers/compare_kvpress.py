@@ -118,8 +118,8 @@ def make_press_policy(name: str, kept: int):
 def sparsegen_side(model, sample: dict, cells: list[tuple[str, float]], stops: list[int]) -> dict:
     """For each (press, ratio): sparsegen's kept positions per layer and KV head, and its answer."""
     from sparsegen.decode import generate
+    from sparsegen.decode.shared import SharedPrefill
     from sparsegen.eval.ruler import kept_tokens
-    from sparsegen.kv.shared import SharedPrefill
 
     context = sample["context_ids"]
     shared = SharedPrefill(model, context)

@@ -23,8 +23,8 @@ FLASH = {"llama.cpp": False, "llama.cpp flash-attn": True}
 
 def prompt_read_worker(gguf: str, ids: list[int], threads: int) -> dict:
     """Seconds sparsegen takes to read `ids` into a fresh full cache (one warm-up read first)."""
+    from sparsegen.decode.reading import read
     from sparsegen.kv import make_cache
-    from sparsegen.kv.stream import read
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)
@@ -38,8 +38,8 @@ def prompt_read_worker(gguf: str, ids: list[int], threads: int) -> dict:
 
 def sparsegen_choices(gguf: str, ids: list[int], threads: int) -> dict:
     """sparsegen's argmax at every position but the last, and the NLL of each next id."""
+    from sparsegen.decode.reading import read
     from sparsegen.kv import make_cache
-    from sparsegen.kv.stream import read
     from sparsegen.loading import load
 
     torch.set_num_threads(threads)

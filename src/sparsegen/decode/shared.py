@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparsegen.decode.forward import as_given, read_rows, token_rows
+from sparsegen.decode.kvzip_read import reconstruct
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.forward import as_given, read_rows, token_rows
-from sparsegen.kv.kvzip import attention_and_peaks, reconstruct
+from sparsegen.kv.kvzip import attention_and_peaks
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
 from sparsegen.kv.spec import KVSpec
@@ -42,7 +43,7 @@ class RecordingLayer(PolicyLayer):
 
     recorded: Recorded | None = None
     probing: bool = False
-    """While KVzip re-reads the context (`kv.kvzip.reconstruct`): compute the attention here and
+    """While KVzip re-reads the context (`decode.kvzip_read.reconstruct`): compute the attention here and
     keep in `peak` the most attention each key received."""
     peak: torch.Tensor | None = None
 

@@ -1,7 +1,7 @@
 """Token ids read into a policy cache, a chunk per forward under sparsegen's attention: the loop
-under every read. `kv.stream.read` runs it, and so does `kv.shared.SharedPrefill`'s one read of a
-context, which `read` in turn uses for a policy that re-reads the prompt (`kv.kvzip`): the loop
-lives below both.
+under every read. `decode.reading.read` runs it, and so does `decode.shared.SharedPrefill`'s one
+read of a context, which `read` in turn uses for a policy that re-reads the prompt (`kv.kvzip`):
+the loop lives below both.
 """
 
 from __future__ import annotations

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsegen.decode.forward import as_given, read_rows, token_rows
+from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.attention import PackedPrompts, policy_attention
+from sparsegen.kv.attention import PackedEngine, policy_attention
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.forward import as_given, read_rows, token_rows
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
-from sparsegen.kv.shared import SharedPrefill
 from sparsegen.kv.spec import KVSpec
 from sparsegen.models import decoder_layers
 
@@ -107,10 +107,13 @@ def read_packed(
     positions = torch.cat([torch.arange(len(prompt), device=device) for prompt in prompts])[None]
     ends = torch.tensor([len(prompt) for prompt in prompts]).cumsum(0)
     bounds = [(int(end) - len(prompt), int(end)) for prompt, end in zip(prompts, ends, strict=True)]
-    packed = PackedPrompts(caches, bounds)
     with stoppable(model, stop), policy_attention(model):
         out = model(
-            input_ids=ids, position_ids=positions, use_cache=False, packed=packed, logits_to_keep=(ends - 1).to(device)
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=False,
+            attention_engine=PackedEngine(caches, bounds),
+            logits_to_keep=(ends - 1).to(device),
         )
     return out.logits[0].float()
 
@@ -130,7 +133,7 @@ def reads_whole(cache: PolicyCache) -> bool:
 
 def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logits: bool) -> torch.Tensor:
     """A policy that scores the prompt by the model re-reading it (`kv.kvzip`): `rows` [b, n] read
-    in one forward under the full cache, re-read, then replayed into `cache` (`kv.shared`); the
+    in one forward under the full cache, re-read, then replayed into `cache` (`decode.shared`); the
     last token's logits [b, vocab]."""
     if all_logits:
         raise SparsegenError(
