@@ -6,7 +6,8 @@ out = sparsegen.decode.generate(model, [ids_a, ids_b], max_new_tokens=256, kv=KV
 
 from sparsegen.decode.engine import Decoder
 from sparsegen.decode.generate import Generation, generate
-from sparsegen.decode.state import LayerState, StaticKV
+from sparsegen.decode.state import LayerState
+from sparsegen.decode.static import StaticKV
 from sparsegen.sampling import StopRule, choose, stop_tokens
 
 __all__ = ["Decoder", "Generation", "LayerState", "StaticKV", "StopRule", "choose", "generate", "stop_tokens"]

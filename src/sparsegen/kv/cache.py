@@ -343,7 +343,10 @@ class PolicyLayer(CacheLayerMixin):
         if self.head_of is None:
             return None
         head_of, positions = self.head_of[:, :, : self.size], self.positions[:, :, : self.size]
-        return ragged.attend(query, keys, values, head_of, positions, self.kv_heads, scaling, self.cumulative_length)
+        seen, q = self.cumulative_length, query.shape[2]
+        query_positions = torch.arange(seen - q, seen, device=query.device).view(1, 1, q, 1)
+        mask = ragged.visible(head_of, positions, query.shape[1], self.kv_heads, query_positions)
+        return ragged.attend(query, keys, values, mask, scaling)
 
     @property
     def tokens_per_head(self) -> int:
