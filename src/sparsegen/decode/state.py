@@ -98,6 +98,7 @@ class LayerState:
 
     @property
     def kv_heads(self) -> int:
+        """KV heads per row (flat heads are tagged, not a dimension)."""
         return self.keys.shape[1] if self.head_of is None else self.slot.shape[2]
 
     def select(self, order: list[int]) -> None:

@@ -8,13 +8,11 @@ import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import ragged
-from sparsegen.kv.cache import PolicyLayer, gather_slots
+from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.layer_slots import EMPTY
 from sparsegen.kv.policy import Policy, Sizes
 from sparsegen.kv.quantized import KVCodec
 from sparsegen.kv.rope import KeyRotation
-
-EMPTY = -1
-"""The position of a free slot in `HeldSlots` (and the fast path's buffers)."""
 
 
 @dataclass
@@ -72,44 +70,22 @@ def _storage(layer: PolicyLayer) -> dict:
 
 def slots_of_layer(layer: PolicyLayer) -> HeldSlots:
     """What a policy layer holds, as slots (heads of different counts held flat)."""
-    if layer.head_of is not None:
-        flat = {"head_of": layer.head_of[:, :, : layer.size], "kv_heads": layer.kv_heads, **_storage(layer)}
-        return HeldSlots(**layer.held_slots(), policy=layer.policy, sizes=layer.sizes, evicting=False, **flat)
-    held = layer.size + (layer.hole is not None)
-    keys = layer.keys[:, :, :held].clone()
-    positions = layer.positions[:, :, :held].clone()
-    if layer.hole is not None:
-        positions.scatter_(2, layer.hole, EMPTY)
-    if layer.sink_keys is not None and layer.codec is None:  # rolling sinks were rotated in place: restore them
-        keys[:, :, : layer.sink_keys.shape[2]] = layer.sink_keys
+    held = layer.hand_over()
+    flat = {} if "head_of" not in held else {"kv_heads": layer.kv_heads}
     evicting = layer.sizes is not None and not layer.compressed
-    values, scores = layer.values[:, :, :held], layer.scores[:, :, :held]
-    return HeldSlots(keys, values, positions, scores, layer.policy, layer.sizes or Sizes(), evicting, **_storage(layer))
+    return HeldSlots(
+        **held, policy=layer.policy, sizes=layer.sizes or Sizes(), evicting=evicting, **flat, **_storage(layer)
+    )
 
 
 def take_slots(layer: PolicyLayer, slots: HeldSlots, seen: int, dtype: torch.dtype) -> None:
     """Let a fresh policy `layer` hold one row's `slots` after `seen` tokens (a conversation the
-    fast path hands back), read back in `dtype`: the live slots in slot order, which keeps a
-    contiguous policy's sinks first; heads that hold different counts are packed flat."""
+    fast path hands back), read back in `dtype` (`PolicyLayer.take_over`)."""
     if slots.codec != layer.codec:
         raise SparsegenError(f"slots held in {slots.codec} cannot continue in a cache of {layer.codec}")
-    live = slots.positions[0] >= 0
-    layer.kv_heads, layer.dtype, layer.device = slots.kv_heads or live.shape[0], dtype, slots.keys.device
-    layer.is_initialized, layer.cumulative_length, layer.check_padding = True, seen, False
     bounded = bool(layer.policy.budget_parts())
-    layer.sizes = slots.sizes if bounded else None
-    layer.compressed = bounded and not slots.evicting
-    layer.recent_keys, layer.recent_values = slots.recent_keys, slots.recent_values
-    tensors = slots.tensors()
-    if slots.head_of is not None:  # held flat: the live slots in their order
-        index = live[0].nonzero()[:, 0]
-        layer.hold_packed({name: t[:, :, index] for name, t in {**tensors, "head_of": slots.head_of}.items()})
-        return
-    counts = live.sum(-1)
-    if bool((counts != counts[0]).any()):
-        layer.hold_packed(ragged.pack(tensors, live[None]))
-        return
-    order = (~live).to(torch.uint8).argsort(dim=-1, stable=True)[None, :, : int(counts[0])]
-    for name, tensor in tensors.items():
-        setattr(layer, name, gather_slots(tensor, order))
-    layer.size = int(counts[0])
+    held = {**slots.tensors(), **({} if slots.head_of is None else {"head_of": slots.head_of})}
+    kv_heads = slots.kv_heads or slots.positions.shape[1]
+    ring = (slots.recent_keys, slots.recent_values)
+    sizes, compressed = (slots.sizes if bounded else None), bounded and not slots.evicting
+    layer.take_over(held, seen, dtype, kv_heads, sizes, compressed, ring)
