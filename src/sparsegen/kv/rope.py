@@ -106,15 +106,17 @@ def _ranks_per_head(
     positions: torch.Tensor, seen: int | torch.Tensor, head_of: torch.Tensor, live: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each flat slot's rank among its head's `live` slots by position (the others after them),
-    and its head's count of live slots [b, 1, n]."""
+    and its head's count of live slots [b, 1, n]. Every shape is the slots' (no head count read
+    from the tensors), so a compiled step traces it whole."""
     order = (head_of * (seen + 1) + torch.where(live, positions, seen)).argsort(-1)
     rank = torch.empty_like(order).scatter_(
         -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
     )
-    per_head = torch.zeros(*head_of.shape[:2], int(head_of.max()) + 1, dtype=torch.long, device=head_of.device)
-    held = per_head.scatter_add(-1, head_of, live.long())
-    per_head.scatter_add_(-1, head_of, torch.ones_like(head_of))
-    return rank - (per_head.cumsum(-1) - per_head).gather(-1, head_of), held.gather(-1, head_of)
+    heads = head_of.gather(-1, order).contiguous()  # sorted: each head's slots a run
+    start = torch.searchsorted(heads, head_of.contiguous())
+    end = torch.searchsorted(heads, head_of.contiguous(), right=True)
+    held = torch.nn.functional.pad(live.gather(-1, order).long().cumsum(-1), (1, 0))
+    return rank - start, held.gather(-1, end) - held.gather(-1, start)
 
 
 def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
