@@ -37,6 +37,7 @@ def test_the_fast_path_decodes_as_the_drop_in_cache():
 
 def test_the_cache_holds_the_budgets_bytes_not_the_largest_heads_times_the_heads():
     config = LlamaConfig(**{**COMMON, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4})
+    torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(3))
     budget, new = 64, 10
@@ -53,6 +54,70 @@ def test_the_cache_holds_the_budgets_bytes_not_the_largest_heads_times_the_heads
     assert all(sum(c) == (budget + new) * config.num_key_value_heads for c in counts)
     largest = sum(max(c) for c in counts) * config.num_key_value_heads * per_slot
     assert largest > 1.1 * budget_bytes  # heads really differ: a padded layout would hold more
+
+
+def _allocated(state) -> int:
+    """Bytes of the storage behind every layer's key and value buffers in the fast path's slots."""
+    return sum(t.untyped_storage().nbytes() for layer in state.layers for t in (layer.keys, layer.values))
+
+
+def _four_heads_case():
+    """A model whose layers have 4 KV heads, a 200-token prompt, AdaKV at 56 tokens a head (of
+    200), 8 new tokens; the bytes of keys and values that budget holds; and the bytes a layout
+    padding each head to its layer's largest head would hold, from the drop-in cache's kept sets."""
+    config = LlamaConfig(**{**COMMON, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(3))
+    kv, new = KVSpec.of("adakv", budget=56), 8
+    per_slot = 2 * (config.hidden_size // config.num_attention_heads) * 4  # a key and a value, fp32
+    budget_bytes = (56 + new) * config.num_key_value_heads * config.num_hidden_layers * per_slot
+    cache = make_cache(model, kv)
+    _generate(model, ids, cache, new=1)
+    counts = [[len(kept) for kept in layer.kept_positions()[0]] for layer in cache.policy_layers()]
+    padded = sum(max(c) + new for c in counts) * config.num_key_value_heads * per_slot
+    return model, ids[0].tolist(), kv, new, budget_bytes, padded
+
+
+def test_the_fast_path_allocates_the_budgets_bytes_not_the_largest_heads_times_the_heads():
+    model, prompt, kv, new, budget_bytes, padded = _four_heads_case()
+    assert padded > 1.1 * budget_bytes  # heads really differ: a padded layout would hold more
+    with policy_attention(model):
+        decoder = Decoder(model, kv, compile="never")
+        logits = decoder.start([prompt], new)
+        allocated = [_allocated(decoder.state)]
+        for _ in range(new - 1):
+            logits = decoder.step(logits.argmax(-1))
+            allocated.append(_allocated(decoder.state))
+    assert all(budget_bytes <= held <= 1.1 * budget_bytes for held in allocated)
+
+
+def test_a_server_row_allocates_the_budgets_bytes():
+    import threading
+
+    from sparsegen.serve.batching import Engine
+    from sparsegen.serve.events import Done, Failed
+    from sparsegen.serve.jobs import GenerationRequest
+
+    model, prompt, kv, new, budget_bytes, _ = _four_heads_case()
+    allocated, steps = [], Engine._decode_step
+
+    def measured(engine, lane) -> None:  # each step of the server's lane, its slots as allocated
+        allocated.append(_allocated(lane.decoder.state))
+        steps(engine, lane)
+
+    engine = Engine(model, tiny_tokenizer(), kv)
+    try:
+        ended, events = threading.Event(), []
+        engine._decode_step = measured.__get__(engine)
+        engine.submit(
+            GenerationRequest(prompt, new, kv),
+            lambda e: (events.append(e), isinstance(e, (Done, Failed)) and ended.set()),
+        )
+        assert ended.wait(60) and isinstance(events[-1], Done), events[-1]
+    finally:
+        engine.close()
+    assert allocated and all(budget_bytes <= held <= 1.1 * budget_bytes for held in allocated)
 
 
 def test_a_handed_back_row_holds_what_the_drop_in_cache_holds():

@@ -55,3 +55,30 @@ def test_ranks_by_counting_equal_ranks_by_sorting():
     counted = held_ranks(live, positions, torch.tensor([90, 95]).view(2, 1, 1))
     sorted_ = torch.where(live, positions, torch.iinfo(torch.long).max).argsort(-1).argsort(-1)
     assert torch.equal(counted[live], sorted_[live])
+
+
+def test_flat_heads_roll_each_head_on_its_own_as_plain_python_places_them():
+    """Heads held flat (`kv.ragged`), some slots free: each head's live keys, in position order,
+    end at `seen - 1`; a free slot does not move."""
+    from sparsegen.kv.rope import roll_deltas
+
+    generator, seen = torch.Generator().manual_seed(0), 40
+    for _ in range(50):
+        n, heads = (
+            int(torch.randint(1, 30, (1,), generator=generator)),
+            int(torch.randint(1, 5, (1,), generator=generator)),
+        )
+        head_of = torch.randint(0, heads, (2, 1, n), generator=generator)
+        positions = torch.stack([torch.randperm(seen, generator=generator)[:n] for _ in range(2)]).view(2, 1, n)
+        live = torch.rand(2, 1, n, generator=generator) > 0.3
+        positions = torch.where(live, positions, -1)
+        expected = torch.zeros_like(positions)
+        for row in range(2):
+            for head in range(heads):
+                mine = [i for i in range(n) if live[row, 0, i] and head_of[row, 0, i] == head]
+                in_order = sorted(int(positions[row, 0, i]) for i in mine)
+                for i in mine:
+                    place = seen - len(in_order) + in_order.index(int(positions[row, 0, i]))
+                    expected[row, 0, i] = place - int(positions[row, 0, i])
+        assert torch.equal(roll_deltas(positions, seen, live, head_of), expected)
+        assert torch.equal(roll_deltas(positions, torch.full((2, 1, 1), seen), live, head_of), expected)

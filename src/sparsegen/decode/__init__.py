@@ -9,7 +9,8 @@ from sparsegen.decode.engine import Decoder
 from sparsegen.decode.generate import Generation, generate
 from sparsegen.decode.reading import StreamStep, read, stream
 from sparsegen.decode.shared import SharedPrefill
-from sparsegen.decode.state import LayerState, StaticKV
+from sparsegen.decode.state import LayerState
+from sparsegen.decode.static import StaticKV
 from sparsegen.sampling import StopRule, choose, stop_tokens
 
 __all__ = [

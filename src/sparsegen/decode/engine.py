@@ -23,7 +23,7 @@ import torch
 from sparsegen.decode.handover import slots_of, stack_layer
 from sparsegen.decode.reading import read
 from sparsegen.decode.shared import SharedPrefill
-from sparsegen.decode.state import StaticKV
+from sparsegen.decode.static import StaticKV
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, few_row_linears, pack_weights, restore_linears, use_gemv
 from sparsegen.kv.attention import AttentionEngine, require_policy_attention

@@ -1,18 +1,20 @@
 """The hand-over from prefilled policy caches (prompts, held conversations) to the decode slots.
 
 Each layer's rows are stacked into one `LayerState`. Rows that read one shared context
-(`kv.shared.SharedPrefill`, a RULER sample's policies) and keep every new token hold only their
+(`decode.shared.SharedPrefill`, a RULER sample's policies) and keep every new token hold only their
 own tokens in slots; the context's keys and values are read once per step for all of them, each
 row masked to the context tokens it kept (`decode.context`), instead of each row a copy.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.decode.context import ContextRows, split_context
-from sparsegen.decode.state import DEAD, RING, LayerState
+from sparsegen.decode.state import DEAD, RING, LayerState, first_free
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.kernels import kernels_available, reads_bytes
@@ -45,6 +47,9 @@ def stack_layer(
         reads_shared_context(part.policy, rolled=part.rotation is not None, quantized=part.codec is not None)
         for part in parts
     )
+    if not shares and all(part.policy.head_adaptive and not part.evicting for part in parts):
+        return stack_flat([part.flat() for part in parts], max_new_tokens, kv_dtype, min_slots)
+    parts = [part.per_head() for part in parts]
     if not shares:
         return stack(parts, max(capacity_for(parts, max_new_tokens), min_slots), kv_dtype)
     keys, values = context
@@ -103,21 +108,17 @@ def _check_one_step(parts: list[HeldSlots], bounded: bool) -> None:
         )
 
 
-def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool = True) -> LayerState:
-    """One layer's slots for all rows, from each row group's prefilled layer: in their codec's
-    bytes where they are held in one, else in `kv_dtype`. An evicting row's slots beyond its
-    budget are DEAD where it is `bounded` by them (not where it also holds a shared context)."""
-    _check_one_step(parts, bounded)
-    codec = parts[0].codec
-    rows = sum(part.keys.shape[0] for part in parts)
-    h, device = parts[0].keys.shape[1], parts[0].keys.device
-    dtype = kv_dtype if codec is None else torch.uint8
+def _buffers(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool) -> dict[str, torch.Tensor]:
+    """Every row's keys, values, positions and scores in `capacity` slots, the rest free (or DEAD,
+    beyond an evicting row's budget where it is `bounded` by it): in the rows' codec's bytes where
+    they are held in one, else in `kv_dtype`."""
+    rows, (h, device) = sum(part.keys.shape[0] for part in parts), (parts[0].keys.shape[1], parts[0].keys.device)
+    dtype = kv_dtype if parts[0].codec is None else torch.uint8
     keys, values = (
         torch.zeros(rows, h, capacity, t.shape[3], dtype=dtype, device=device) for t in (parts[0].keys, parts[0].values)
     )
     positions = torch.full((rows, h, capacity), EMPTY, dtype=torch.long, device=device)
     scores = torch.zeros(rows, h, capacity, device=device)
-    budgets = []
     row = 0
     for part in parts:
         n, held = part.keys.shape[0], part.keys.shape[2]
@@ -127,9 +128,27 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
         scores[row : row + n, :, :held] = part.scores
         if part.evicting and bounded:
             positions[row : row + n, :, part.sizes.budget + 1 :] = DEAD
-        budgets += [part.sizes] * n
         row += n
-    sizes = Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
+    return {"keys": keys, "values": values, "positions": positions, "scores": scores}
+
+
+def _row_sizes(parts: list[HeldSlots], device: torch.device) -> Sizes:
+    """Each row's sizes, as [rows, 1, 1] tensors."""
+    budgets = [part.sizes for part in parts for _ in range(part.keys.shape[0])]
+    return Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
+
+
+def _rings(parts: list[HeldSlots]) -> dict[str, torch.Tensor]:
+    """The rows' rings of their newest tokens at full precision, where a codec holds their KV."""
+    return {} if parts[0].codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}
+
+
+def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool = True) -> LayerState:
+    """One layer's slots for all rows, from each row group's prefilled layer (`_buffers`)."""
+    _check_one_step(parts, bounded)
+    buffers = _buffers(parts, capacity, kv_dtype, bounded)
+    keys, positions = buffers["keys"], buffers["positions"]
+    codec, device = parts[0].codec, keys.device
     policy, evicting = parts[0].policy, parts[0].evicting
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
     rolled_per_slot = parts[0].rotation is not None and not policy.contiguous
@@ -143,19 +162,46 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
     fused_attention = codec is None and on_cpu and keys.dtype == torch.float32
     return LayerState(
         policy=policy,
-        sizes=sizes,
+        sizes=_row_sizes(parts, device),
         evicting=evicting,
-        keys=keys,
-        values=values,
-        positions=positions,
-        scores=scores,
+        **buffers,
         slot=slot,
         rotation=parts[0].rotation,
         contiguous=policy.contiguous,
-        sinks=max(s.sinks for s in budgets),
+        sinks=max(part.sizes.sinks for part in parts),
         codec=codec,
         byte_products=byte_products,
         rolled_products=rolled_products,
         fused_attention=fused_attention,
-        **({} if codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}),
+        **_rings(parts),
+    )
+
+
+def stack_flat(parts: list[HeldSlots], max_new_tokens: int, kv_dtype: torch.dtype, min_slots: int = 0) -> LayerState:
+    """One layer's slots for rows of a head-adaptive policy, their heads held flat (`kv.ragged`):
+    each row's held slots, then free slots taken by its heads in turn, room for `max_new_tokens`
+    each (and at least `min_slots`, those of the batch they join), rounded up to a multiple of 64
+    slots (fewer shapes to compile): about the bytes of the budget, not heads x the largest head."""
+    _check_one_step(parts, bounded=False)
+    heads = parts[0].kv_heads
+    step = math.lcm(64, heads)
+    needed = max(part.keys.shape[2] for part in parts) + heads * max_new_tokens
+    capacity = max(-(-needed // step) * step, min_slots)
+    buffers = _buffers(parts, capacity, kv_dtype, bounded=False)
+    positions = buffers["positions"]
+    head_of = torch.arange(capacity, device=positions.device).remainder(heads).expand_as(positions).clone()
+    row = 0
+    for part in parts:
+        head_of[row : row + part.keys.shape[0], :, : part.keys.shape[2]] = part.head_of
+        row += part.keys.shape[0]
+    return LayerState(
+        policy=parts[0].policy,
+        sizes=_row_sizes(parts, positions.device),
+        evicting=False,
+        **buffers,
+        slot=first_free(positions, head_of, heads),
+        rotation=parts[0].rotation,
+        codec=parts[0].codec,
+        head_of=head_of,
+        **_rings(parts),
     )

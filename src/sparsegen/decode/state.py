@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.decode.context import ContextRows
 from sparsegen.errors import SparsegenError
+from sparsegen.kv import ragged
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.evict import priorities, update_scores, victim
 from sparsegen.kv.kernels import held_mix, held_scores, rolled_scores, slot_attention
@@ -59,7 +60,9 @@ class LayerState:
     rotates full-precision keys to rolling positions inside the product (`kv.kernels`; eager steps),
     `fused_attention` attends over fp32 slots in one call where no policy reads the probabilities.
     With a `context`, the slots hold each row's own tokens and the rows also attend over the part
-    of one shared context each kept (`decode.context`).
+    of one shared context each kept (`decode.context`). With `head_of` [b, 1, C], the heads of a
+    head-adaptive policy are held flat (`kv.ragged`): keys, values [b, 1, C, d], positions, scores
+    [b, 1, C], each slot tagged by its head, and `slot` [b, 1, h] each head's next slot.
     """
 
     policy: Policy
@@ -80,12 +83,23 @@ class LayerState:
     rolled_products: bool = False
     fused_attention: bool = False
     context: ContextRows | None = None
+    head_of: torch.Tensor | None = None
 
     @property
     def per_row(self) -> tuple[str, ...]:
         """The names of the tensors with a row per batch row."""
-        rows = ("keys", "values", "positions", "scores", "slot")
+        rows = ("keys", "values", "positions", "scores", "slot", *(() if self.head_of is None else ("head_of",)))
         return rows if self.codec is None else (*rows, *RING)
+
+    @property
+    def per_slot(self) -> tuple[str, ...]:
+        """The names of the tensors with a slot per slot (dim 2)."""
+        return ("keys", "values", "positions", "scores", *(() if self.head_of is None else ("head_of",)))
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads per row (flat heads are tagged, not a dimension)."""
+        return self.keys.shape[1] if self.head_of is None else self.slot.shape[2]
 
     def select(self, order: list[int]) -> None:
         """Keep the rows `order` (old indices, in their new order; rows leave the batch between
@@ -117,9 +131,14 @@ class LayerState:
             [self.positions, self.positions.new_full((b, h, extra), DEAD if bounded else EMPTY)], 2
         )
         self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, extra)], 2)
+        if self.head_of is not None:  # the heads take the new slots in turn
+            tags = torch.arange(capacity - extra, capacity, device=self.head_of.device).remainder(self.kv_heads)
+            self.head_of = torch.cat([self.head_of, tags.expand(b, h, extra)], 2)
 
     def extend(self, other: LayerState) -> None:
         """Append `other`'s rows (rows join the batch between steps)."""
+        if (self.head_of is None) != (other.head_of is None):
+            raise SparsegenError("rows holding their heads flat cannot share a batch with rows holding them apart")
         capacity = max(self.keys.shape[2], other.keys.shape[2])
         self.grow(capacity)
         other.grow(capacity)
@@ -146,6 +165,8 @@ class LayerState:
                 keys, values = keys.to(dtype), values.to(dtype)
             positions, scores = self.positions[index], self.scores[index]
             ring = {} if self.codec is None else {name: getattr(self, name)[index] for name in RING}
+            if self.head_of is not None:
+                ring.update(head_of=self.head_of[index], kv_heads=self.kv_heads)
             held = HeldSlots(
                 keys, values, positions, scores, self.policy, sizes, self.evicting, codec=self.codec, **ring
             )
@@ -174,9 +195,11 @@ class LayerState:
             remember(self.recent_keys, key, at)
             remember(self.recent_values, value, at)
         key, value = self._stored(key, self.keys), self._stored(value, self.values)
+        if self.head_of is not None:  # one slot per head, token-major
+            key, value = ragged.spread(key), ragged.spread(value)
         put_in_slots(self.keys, self.slot, key)
         put_in_slots(self.values, self.slot, value)
-        put_in_slots(self.positions, self.slot, position.view(b, 1, 1).expand(b, h, 1))
+        put_in_slots(self.positions, self.slot, position.view(b, 1, 1).expand(self.slot.shape))
         put_in_slots(self.scores, self.slot, 0.0)
 
     def read(self, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +208,8 @@ class LayerState:
         at full precision (`kv.quantized`)."""
         if self.codec is None:
             return self.keys, self.values
-        keys = self.codec.read(self.keys, self.positions, seen, self.recent_keys)
-        return keys, self.codec.read(self.values, self.positions, seen, self.recent_values)
+        keys = self.codec.read(self.keys, self.positions, seen, self.recent_keys, self.head_of)
+        return keys, self.codec.read(self.values, self.positions, seen, self.recent_values, self.head_of)
 
     def logits(
         self, query: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, scaling: float
@@ -212,6 +235,8 @@ class LayerState:
     def attend(self, query: torch.Tensor, scaling: float, seen: torch.Tensor) -> torch.Tensor:
         """Attention of the new queries [b, hq, 1, d] over the live slots, then the policy's step.
         `seen` [b, 1, 1] counts each row's tokens including the new one. Returns [b, 1, hq, d]."""
+        if self.head_of is not None:
+            return self._attend_flat(query, scaling, seen)
         b, hq, _, d = query.shape
         h = self.keys.shape[1]
         grouped = query.view(b, h, hq // h, d)
@@ -240,6 +265,18 @@ class LayerState:
                 out = weighted_values(probs, values)
         self.choose_next_slot(query, keys, values, probs, scaling, seen)
         return out.to(query.dtype).reshape(b, hq, 1, d).transpose(1, 2)
+
+    def _attend_flat(self, query: torch.Tensor, scaling: float, seen: torch.Tensor) -> torch.Tensor:
+        """`attend` over heads held flat: each query head over its KV head's live slots (`kv.ragged`),
+        keys rolled where positions are rolling; every new token kept (head-adaptive policies
+        compress the prompt only)."""
+        keys, values = self.read(seen)
+        if self.rotation is not None:
+            keys = self.rotation.rotate(keys, roll_deltas(self.positions, seen, self.positions >= 0, self.head_of))
+        mask = ragged.visible(self.head_of, self.positions, query.shape[1], self.kv_heads, (seen - 1).unsqueeze(-1))
+        out = ragged.attend(query, keys, values, mask, scaling)
+        self.slot.copy_(first_free(self.positions, self.head_of, self.kv_heads))
+        return out
 
     def _byte_logits(self, query: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """`logits` over the byte rows (unscaled): the kernels' products, the rolled sinks of a
@@ -283,6 +320,13 @@ class LayerState:
         put_in_slots(self.positions, self.slot, EMPTY)
 
 
+def first_free(positions: torch.Tensor, head_of: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Each head's next slot where heads are held flat [b, 1, h]: its first free one (`victim`)."""
+    b = positions.shape[0]
+    free = (positions == EMPTY) & (head_of == torch.arange(kv_heads, device=head_of.device).view(1, -1, 1))
+    return victim(torch.full(free.shape, KEEP, device=free.device), free=free).view(b, 1, kv_heads)
+
+
 def _append_rows(buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`buffer` [n, ...] with `rows` [k, ...] after its own rows: in place where its storage has
     room (left by rows that left), else in a new buffer with room for as many rows again, so rows
@@ -310,66 +354,3 @@ def put_in_slots(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor | f
     b, h = slot.shape[:2]
     at = (torch.arange(b, device=slot.device).view(b, 1, 1), torch.arange(h, device=slot.device).view(1, h, 1), slot)
     buffer.index_put_(at, new if isinstance(new, torch.Tensor) else buffer.new_full((), new))
-
-
-@dataclass
-class StaticKV:
-    """Every layer's `LayerState` (None for a layer without attention state), passed to each
-    attention call as the `static_kv` keyword, with each row's token count so far. `varying`: the
-    row count and the slot count are left free in a compiled step (rows join and leave a server's
-    batch), so a change of either does not compile it again."""
-
-    layers: list[LayerState]
-    seen: torch.Tensor
-    varying: bool = False
-
-    def __post_init__(self) -> None:
-        self._mark_static()
-
-    @torch.inference_mode()  # the buffers change in place, and a prefill made them inference tensors
-    def select(self, order: list[int]) -> None:
-        """Keep the rows `order` (old indices, in their new order) in every layer."""
-        for layer in self.layers:
-            layer.select(order)
-        self.seen = self.seen[order]
-        self._mark_static()
-
-    @torch.inference_mode()
-    def extend(self, other: StaticKV) -> None:
-        """Append `other`'s rows to every layer."""
-        for layer, joining in zip(self.layers, other.layers, strict=True):
-            layer.extend(joining)
-        self.seen = torch.cat([self.seen, other.seen])
-        self._mark_static()
-
-    def _mark_static(self) -> None:
-        """Tell the compiler what changes between steps, whenever rows join or leave (new buffers
-        replace the old): with `varying`, the rows and slots dimensions; on a GPU, that the slots
-        keep their addresses from step to step (a CUDA graph replays over them)."""
-        if self.varying:
-            for layer in self.layers:
-                for name in layer.per_row:
-                    torch._dynamo.maybe_mark_dynamic(getattr(layer, name), 0)
-                for name in ("keys", "values", "positions", "scores"):
-                    torch._dynamo.maybe_mark_dynamic(getattr(layer, name), 2)
-                for part in PARTS:
-                    torch._dynamo.maybe_mark_dynamic(getattr(layer.sizes, part), 0)
-            torch._dynamo.maybe_mark_dynamic(self.seen, 0)
-        if not self.seen.is_cuda:
-            return
-        for layer in self.layers:
-            for name in layer.per_row:
-                torch._dynamo.mark_static_address(getattr(layer, name), guard=False)
-        torch._dynamo.mark_static_address(self.seen, guard=False)
-
-    def kv_bytes(self) -> int:
-        """Bytes of the preallocated key and value buffers (all rows, all slots)."""
-        held = [(layer.keys, layer.values, layer.recent_keys, layer.recent_values) for layer in self.layers]
-        held += [(layer.context.keys, layer.context.values) for layer in self.layers if layer.context is not None]
-        return sum(t.numel() * t.element_size() for tensors in held for t in tensors if t is not None)
-
-    def live_tokens(self) -> torch.Tensor:
-        """Tokens held per row after the last step's eviction, in the first layer."""
-        first = self.layers[0]
-        own = (first.positions[:, 0] >= 0).sum(-1)
-        return own if first.context is None else own + first.context.live[:, 0].sum(-1)

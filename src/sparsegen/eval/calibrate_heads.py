@@ -18,9 +18,7 @@ from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import attention_received
 
 
-def passkey_prompt(
-    tokenizer: PreTrainedTokenizerBase, length: int, rng: random.Random
-) -> tuple[list[int], range, int]:
+def passkey_prompt(tokenizer: PreTrainedTokenizerBase, length: int, rng: random.Random) -> tuple[list[int], range, int]:
     """A synthetic passkey prompt of about `length` tokens, answered: (ids, the needle's token
     span, how many answer tokens end it)."""
     filler = tokenizer(" The grass is green. The sky is blue. The sun is yellow. Here we go.", add_special_tokens=False)

@@ -14,6 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import ragged
 from sparsegen.kv.evict import keep_best, priorities, update_scores, victim
+from sparsegen.kv.layer_slots import HandOver
 from sparsegen.kv.policy import Policy, Sizes, Step
 from sparsegen.kv.quantized import RESIDUAL, KVCodec, remember
 from sparsegen.kv.rope import KeyRotation, roll_deltas
@@ -32,7 +33,7 @@ def gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return buffer.gather(2, index)
 
 
-class PolicyLayer(CacheLayerMixin):
+class PolicyLayer(HandOver, CacheLayerMixin):
     """One attention layer's KV cache under a policy.
 
     `cumulative_length` is the logical length (tokens seen, what `generate()` builds positions
@@ -207,18 +208,16 @@ class PolicyLayer(CacheLayerMixin):
         self._select_batch(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            for name in self._BATCHED:
-                tensor = getattr(self, name)
-                if tensor is not None:
-                    setattr(self, name, tensor.repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
 
     def _select_batch(self, index: torch.Tensor) -> None:
-        if self.is_initialized:
-            for name in self._BATCHED:
-                tensor = getattr(self, name)
-                if tensor is not None:
-                    setattr(self, name, tensor.index_select(0, index.to(tensor.device)))
+        self._map_rows(lambda tensor: tensor.index_select(0, index.to(tensor.device)))
+
+    def _map_rows(self, rows) -> None:
+        """Replace each per-row tensor by `rows(tensor)` (rows selected, repeated)."""
+        for name in self._BATCHED if self.is_initialized else ():
+            if getattr(self, name) is not None:
+                setattr(self, name, rows(getattr(self, name)))
 
     # -- policy mechanics -------------------------------------------------------------------
     @property
@@ -282,7 +281,7 @@ class PolicyLayer(CacheLayerMixin):
 
         A prefill-only policy compresses once, after the first call, and keeps every later token.
         `received` shares `Step.received`'s results between policies replaying one recorded call
-        (`kv.shared`); it must belong to these very queries and keys. `reconstruction` is
+        (`decode.shared`); it must belong to these very queries and keys. `reconstruction` is
         `Step.reconstruction`, for a replayed prompt. `values` are the held values as attention
         read them (`update`'s), needed when a codec holds them.
         """
@@ -343,7 +342,10 @@ class PolicyLayer(CacheLayerMixin):
         if self.head_of is None:
             return None
         head_of, positions = self.head_of[:, :, : self.size], self.positions[:, :, : self.size]
-        return ragged.attend(query, keys, values, head_of, positions, self.kv_heads, scaling, self.cumulative_length)
+        seen, q = self.cumulative_length, query.shape[2]
+        query_positions = torch.arange(seen - q, seen, device=query.device).view(1, 1, q, 1)
+        mask = ragged.visible(head_of, positions, query.shape[1], self.kv_heads, query_positions)
+        return ragged.attend(query, keys, values, mask, scaling)
 
     @property
     def tokens_per_head(self) -> int:

@@ -51,30 +51,31 @@ def new_head_tags(b: int, h: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(h, device=device).repeat(n).expand(b, 1, n * h)
 
 
-def attend(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    head_of: torch.Tensor,
-    positions: torch.Tensor,
-    kv_heads: int,
-    scaling: float,
-    seen: int,
+def visible(
+    head_of: torch.Tensor, positions: torch.Tensor, query_heads: int, kv_heads: int, query_positions: torch.Tensor
 ) -> torch.Tensor:
-    """Attention of query [b, hq, q, d] (positions seen - q .. seen - 1) over flat slots
-    keys/values [b, 1, T, d] tagged by `head_of` and `positions` [b, 1, T]: each query head sees
-    its KV head's slots at or before its own position. Returns [b, q, hq, d], as transformers'
+    """Which flat slots (tagged by `head_of`, at `positions` [b, 1, T], free where negative) each
+    query head sees: its KV head's held slots at or before the query's position (`query_positions`
+    broadcast to [b, 1, q, 1]). Returns bool [b, hq, q, T]: the one mask of flat attention, in the
+    drop-in cache and the fast path."""
+    group = query_heads // kv_heads
+    own_head = torch.arange(query_heads, device=head_of.device).div(group, rounding_mode="floor").view(1, -1, 1, 1)
+    at = positions.unsqueeze(2)
+    return (head_of.unsqueeze(2) == own_head) & (at >= 0) & (at <= query_positions)
+
+
+def attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Attention of query [b, hq, q, d] over flat slots keys/values [b, 1, T, d], each query seeing
+    the slots `mask` [b, hq, q, T] marks (`visible`). Returns [b, q, hq, d], as transformers'
     attention functions do."""
-    b, hq, q, d = query.shape
-    group = hq // kv_heads
-    query_positions = torch.arange(seen - q, seen, device=query.device).view(1, q, 1)
-    own_head = torch.arange(hq, device=query.device).div(group, rounding_mode="floor").view(1, hq, 1, 1)
-    visible = (head_of.unsqueeze(2) == own_head) & (positions.unsqueeze(2) <= query_positions.unsqueeze(1))
+    b, hq = query.shape[:2]
     out = F.scaled_dot_product_attention(
         query,
         keys.expand(b, hq, *keys.shape[2:]).to(query.dtype),
         values.expand(b, hq, *values.shape[2:]).to(query.dtype),
-        attn_mask=visible,
+        attn_mask=mask,
         scale=scaling,
     )
     return out.transpose(1, 2).contiguous()

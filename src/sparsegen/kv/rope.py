@@ -82,10 +82,10 @@ def roll_deltas(
     (`seen`: tokens read, an int or [b, 1, 1]). Slots not `live` (free or unused; all live when
     None) do not move. `head_of` [b, 1, n] tags flat slots of heads sharing a budget (`kv.ragged`):
     each head rolls on its own. The one rule for rolling positions, in every path that holds keys."""
-    if head_of is not None:
-        rank, count = _ranks_per_head(positions, seen, head_of)
-        return seen - count + rank - positions
     live = torch.ones_like(positions, dtype=torch.bool) if live is None else live
+    if head_of is not None:
+        rank, count = _ranks_per_head(positions, seen, head_of, live)
+        return torch.where(live, seen - count + rank - positions, 0)
     count = live.sum(-1, keepdim=True)
     return torch.where(live, seen - count + held_ranks(live, positions, seen) - positions, 0)
 
@@ -102,15 +102,21 @@ def held_ranks(live: torch.Tensor, positions: torch.Tensor, seen: int | torch.Te
     return (marks.cumsum(-1) - marks).gather(2, index)
 
 
-def _ranks_per_head(positions: torch.Tensor, seen: int, head_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each flat slot's rank among its head's slots by position, and its head's count [b, 1, n]."""
-    order = (head_of * (seen + 1) + positions).argsort(-1)
+def _ranks_per_head(
+    positions: torch.Tensor, seen: int | torch.Tensor, head_of: torch.Tensor, live: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each flat slot's rank among its head's `live` slots by position (the others after them),
+    and its head's count of live slots [b, 1, n]. Every shape is the slots' (no head count read
+    from the tensors), so a compiled step traces it whole."""
+    order = (head_of * (seen + 1) + torch.where(live, positions, seen)).argsort(-1)
     rank = torch.empty_like(order).scatter_(
         -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
     )
-    per_head = torch.zeros(*head_of.shape[:2], int(head_of.max()) + 1, dtype=torch.long, device=head_of.device)
-    per_head.scatter_add_(-1, head_of, torch.ones_like(head_of))
-    return rank - (per_head.cumsum(-1) - per_head).gather(-1, head_of), per_head.gather(-1, head_of)
+    heads = head_of.gather(-1, order).contiguous()  # sorted: each head's slots a run
+    start = torch.searchsorted(heads, head_of.contiguous())
+    end = torch.searchsorted(heads, head_of.contiguous(), right=True)
+    held = torch.nn.functional.pad(live.gather(-1, order).long().cumsum(-1), (1, 0))
+    return rank - start, held.gather(-1, end) - held.gather(-1, start)
 
 
 def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:

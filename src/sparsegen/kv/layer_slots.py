@@ -1,0 +1,68 @@
+"""How a policy cache layer hands its slots over to the fast path and takes them back (`kv.slots`).
+
+A mixin of `kv.cache.PolicyLayer`: the layer itself reads and writes its buffers, the hand-over
+(`kv.slots`) only asks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsegen.kv import ragged
+from sparsegen.kv.policy import Sizes
+
+EMPTY = -1
+"""The position of a free slot in what a layer hands over (`hand_over`, `kv.slots.HeldSlots`, the
+fast path's buffers)."""
+
+
+class HandOver:
+    """`PolicyLayer`'s side of the hand-over: what it holds as slots, and one row's slots held again."""
+
+    def hand_over(self) -> dict[str, torch.Tensor]:
+        """What the layer holds, for the fast path to take over (`kv.slots`): keys, values,
+        positions, scores [b, h, n, ...], the evicted slot's position `EMPTY` and rolling sinks
+        as stored; with heads held flat, `head_of` too."""
+        if self.head_of is not None:
+            return {**self.held_slots(), "head_of": self.head_of[:, :, : self.size]}
+        held = self.size + (self.hole is not None)
+        keys, positions = self.keys[:, :, :held].clone(), self.positions[:, :, :held].clone()
+        if self.hole is not None:
+            positions.scatter_(2, self.hole, EMPTY)
+        if self.sink_keys is not None and self.codec is None:  # rolling sinks were rotated in place: restore them
+            keys[:, :, : self.sink_keys.shape[2]] = self.sink_keys
+        return {
+            "keys": keys,
+            "values": self.values[:, :, :held],
+            "positions": positions,
+            "scores": self.scores[:, :, :held],
+        }
+
+    def take_over(
+        self,
+        held: dict[str, torch.Tensor],
+        seen: int,
+        dtype: torch.dtype,
+        kv_heads: int,
+        sizes: Sizes | None,
+        compressed: bool,
+        ring: tuple[torch.Tensor | None, torch.Tensor | None],
+    ) -> None:
+        """Hold one row's slots `held` (`hand_over`'s layout) after `seen` tokens in a fresh layer,
+        read back in `dtype`, its prompt `compressed` or not (a conversation the fast path hands
+        back): the live slots in slot order (a contiguous policy's sinks first); heads of different
+        counts packed flat. `ring`: the newest tokens' keys and values with a codec."""
+        live = held["positions"][0] >= 0
+        self.kv_heads, self.dtype, self.device = kv_heads, dtype, held["keys"].device
+        self.is_initialized, self.cumulative_length, self.check_padding = True, seen, False
+        self.sizes, self.compressed, (self.recent_keys, self.recent_values) = sizes, compressed, ring
+        counts = live.sum(-1)
+        if "head_of" in held:  # held flat: the live slots in their order
+            self.hold_packed({name: t[:, :, live[0].nonzero()[:, 0]] for name, t in held.items()})
+        elif bool((counts != counts[0]).any()):
+            self.hold_packed(ragged.pack(held, live[None]))
+        else:
+            self.keys, self.values, self.positions, self.scores = (
+                held[n] for n in ("keys", "values", "positions", "scores")
+            )
+            self._keep((~live).to(torch.uint8).argsort(dim=-1, stable=True)[None, :, : int(counts[0])], int(counts[0]))
