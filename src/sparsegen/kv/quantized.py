@@ -38,6 +38,13 @@ RESIDUAL = 32
 """The newest tokens of a row read at full precision (KIVI's residual; its group size)."""
 SIGN_SEED = 0x5EED
 """The seed of the rotation's fixed signs: part of the stored format, never to change."""
+CLIPS = {8: (1.0,), 4: (1.0, 0.95, 0.9), 3: (1.0, 0.95, 0.9), 2: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)}
+"""Per width, the shares of a group's range (about its middle) tried as its rounding range: the
+extremes of a group widen every step, and below 8 bits clipping them often rounds the group with
+less squared error. How deep to clip was measured by perplexity, not by the squared error: on
+SmolLM2, 1,024 tokens of Milton, the full cache and streaming, clipping 3-bit groups down to 0.5
+of their range cut their squared error by 15% but raised perplexity (+1.5% and +3.9% against
+fp32 KV, where 0.9 at most gave +1.0% and +0.9%); 2 bits gain most (+39% down to +6.5%)."""
 
 
 def rotation(dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -137,12 +144,29 @@ class KVCodec:
         """[..., dim] floats -> [..., width(dim)] bytes."""
         *lead, dim = x.shape
         groups = self.rotate(x).reshape(*lead, dim // self.group, self.group)
-        low = groups.amin(-1, keepdim=True).half()
+        low, scale = self._ranges(groups)
         levels = (1 << self.bits) - 1
-        scale = ((groups.amax(-1, keepdim=True) - low.float()) / levels).clamp_min(1e-5).half()
         codes = ((groups - low.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
         params = torch.cat([scale, low], -1).reshape(*lead, dim // self.group * 2).view(torch.uint8)
         return torch.cat([pack(codes.reshape(*lead, dim), self.bits), params], -1)
+
+    def _ranges(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's fp16 minimum and step [..., groups, 1]: of the ranges `CLIPS[bits]` shrink
+        its min-max range to, the one whose rounding leaves the least squared error (the first,
+        unclipped, on a tie: a constant group still decodes exactly; min-max alone at 8 bits)."""
+        levels = (1 << self.bits) - 1
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        shares = torch.tensor(CLIPS[self.bits], device=groups.device)
+        middle, half = (low + high) / 2, (high - low) / 2
+        lows = (middle - half * shares).half()  # [..., groups, clips]
+        steps = ((middle + half * shares - lows.float()) / levels).clamp_min(1e-5).half()
+        if shares.numel() == 1:
+            return lows, steps
+        each, first = groups.unsqueeze(-2), lows.float().unsqueeze(-1)  # [..., groups, 1 | clips, group]
+        rounded = ((each - first) / steps.float().unsqueeze(-1)).round_().clamp_(0, levels)
+        error = (rounded * steps.float().unsqueeze(-1) + first - each).square_().sum(-1)
+        best = error.argmin(-1, keepdim=True)
+        return lows.gather(-1, best), steps.gather(-1, best)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[..., width] bytes -> [..., dim] numbers in `dtype`, un-rotated."""
