@@ -366,7 +366,8 @@ def round_trip_reference(
 ) -> torch.Tensor:
     """The codec's round trip in float64, share by share: rotate by `r`; per group of `group`
     numbers, of the ranges min-max shrunk about its middle by each share in CLIPS[bits], round to
-    the one leaving the least squared error (fp16 minimum and step); decode; un-rotate. `shares=(1.0,)`: min-max rounding."""
+    the one leaving the least squared error (fp16 minimum and step); decode; un-rotate.
+    `shares=(1.0,)`: min-max rounding."""
     y = x.double() @ r
     groups = y.reshape(*y.shape[:-1], -1, group)
     levels = (1 << bits) - 1
