@@ -262,3 +262,29 @@ def test_the_real_tree_fails_with_a_circle_or_back_arrow_added(source: str, targ
     modules, imports = tree_imports()
     found = problems(modules, [*imports, Import(source, target, 9)])
     assert any(expected in problem for problem in found), found
+
+
+MAX_FUNCTION_LINES = 60  # the house rule: from a function's `def` to its last line, decorators excluded
+
+
+def long_functions(path: str, source: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Each function of module `path` (methods and nested functions too) whose text in `source` runs
+    over `limit` lines, one line each."""
+    return [
+        f"src/sparsegen/{path}:{node.lineno}: {node.name} is {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(source, path))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_function_is_over_60_lines():
+    paths = sorted(file.relative_to(PACKAGE).as_posix() for file in PACKAGE.rglob("*.py"))
+    found = [line for path in paths for line in long_functions(path, (PACKAGE / path).read_text())]
+    assert not found, f"over {MAX_FUNCTION_LINES} lines, split into helpers:\n" + "\n".join(found)
+
+
+def test_a_long_function_is_named_and_its_decorators_are_not_counted():
+    fits = "@decorator\ndef fits():\n" + "    x = 1\n" * 59  # 60 lines from its `def`, 61 with the decorator
+    too_long = "class A:\n    async def method(self):\n" + "        x = 1\n" * 60
+    assert long_functions("toy.py", fits) == []
+    assert long_functions("toy.py", too_long) == ["src/sparsegen/toy.py:2: method is 61 lines"]

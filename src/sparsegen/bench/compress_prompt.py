@@ -75,8 +75,7 @@ def bench_compress_prompt(
     from sparsegen.data import calibration_samples
     from sparsegen.errors import SparsegenError
     from sparsegen.loading import load
-    from sparsegen.prompt import PromptTraining, SoftPrompt, train_prompt
-    from sparsegen.quant.size import bits_per_weight
+    from sparsegen.prompt import PromptTraining
 
     names = [v.name for v in VARIANTS]
     if prompt_variant not in names:
@@ -90,46 +89,99 @@ def bench_compress_prompt(
     calibration = calibration_samples(tokenizer, training_part, calib_samples, calib_seqlen, seed=0)
     prompt_dir = out / "prompt"
     settings = PromptTraining(tokens=tokens, steps=steps, lr=lr)
+    data = _PromptData(tokenizer, training_part, n_train, seqlen)
     prompt = None
     order = sorted(VARIANTS, key=lambda v: v.name != prompt_variant)  # the prompt's own variant first
     for variant in order:
         row = results.get(variant.name, {})
         model = None
         if prompt is None or "ppl" not in row or (variant.name in zeroshot_variants and "zeroshot" not in row):
-            progress(f"{variant.name}: building")
-            model, _ = load(model_name, device=device)
-            scheme = variant.build(model, calibration, group_size)
-            size = bits_per_weight(model, scheme)
-            row.update(variant=variant.name, bits=size.stored, sparse_bits=size.sparse_packed if scheme else None)
+            model = _built(variant, model_name, device, calibration, group_size, row, progress)
         if prompt is None:
-            if (prompt_dir / "adapter_model.safetensors").exists() and _trained_steps(prompt_dir) == steps:
-                prompt = SoftPrompt.load(prompt_dir, model)
-            else:
-                progress(f"training the soft prompt on {variant.name} ({steps} steps)")
-                samples = calibration_samples(tokenizer, training_part, n_train, seqlen, seed=1)
-                prompt, report = train_prompt(model, samples, prompt_dir, settings, base_model=model_name)
-                row["train_seconds"] = report.seconds
+            prompt = _soft_prompt(model, model_name, data, settings, prompt_dir, variant.name, row, progress)
         if "ppl" not in row:
             row["ppl"] = _perplexities(model, prompt, texts, seqlen, eval_windows, variant.name, progress)
-            results[variant.name] = row
-            write_json(results_path, results)
+            _record(results, results_path, variant.name, row)
         if variant.name in zeroshot_variants and zeroshot_limit != 0 and "zeroshot" not in row:
             row["zeroshot"] = _zeroshot(model, tokenizer, prompt, variant, zeroshot_limit, out, progress)
-            results[variant.name] = row
-            write_json(results_path, results)
+            _record(results, results_path, variant.name, row)
     rows = _rows(results, names, texts, dense_name="dense")
     meta = run_meta(seconds=round(time.perf_counter() - started, 1))
     write_json(out / "bench_compress_prompt.json", {"meta": meta, "rows": rows})
-    header = (
-        f"model `{model_name}`; prompt: {tokens} virtual tokens, {steps} steps, AdamW lr {lr}, {n_train} samples x "
+    calibrated = f"{calib_samples} x {calib_seqlen}"
+    header = _header(meta, model_name, settings, data, train_text, prompt_variant, calibrated, eval_windows, group_size)
+    write_text(out / "bench_compress_prompt.md", header + markdown_table(rows, _columns(texts, rows)))
+    return rows
+
+
+def _built(variant: Variant, model_name: str, device, calibration, group_size: int, row: dict, progress) -> object:
+    """A fresh copy of the model compressed as `variant`; its bits per weight put in its `row`."""
+    from sparsegen.loading import load
+    from sparsegen.quant.size import bits_per_weight
+
+    progress(f"{variant.name}: building")
+    model, _ = load(model_name, device=device)
+    scheme = variant.build(model, calibration, group_size)
+    size = bits_per_weight(model, scheme)
+    row.update(variant=variant.name, bits=size.stored, sparse_bits=size.sparse_packed if scheme else None)
+    return model
+
+
+@dataclass(frozen=True)
+class _PromptData:
+    """Where the soft prompt's training samples come from: `n_train` windows of `seqlen` tokens of
+    the training part (drawn only if the prompt is trained)."""
+
+    tokenizer: object
+    training_part: str
+    n_train: int
+    seqlen: int
+
+
+def _soft_prompt(model, model_name: str, data: _PromptData, settings, prompt_dir: Path, variant: str, row, progress):
+    """The one soft prompt: loaded from `prompt_dir` when its training there ran every step, else
+    trained (resuming) on `variant`'s model, its training seconds put in that variant's `row`."""
+    from sparsegen.data import calibration_samples
+    from sparsegen.prompt import SoftPrompt, train_prompt
+
+    if (prompt_dir / "adapter_model.safetensors").exists() and _trained_steps(prompt_dir) == settings.steps:
+        return SoftPrompt.load(prompt_dir, model)
+    progress(f"training the soft prompt on {variant} ({settings.steps} steps)")
+    samples = calibration_samples(data.tokenizer, data.training_part, data.n_train, data.seqlen, seed=1)
+    prompt, report = train_prompt(model, samples, prompt_dir, settings, base_model=model_name)
+    row["train_seconds"] = report.seconds
+    return prompt
+
+
+def _record(results: dict, path: Path, name: str, row: dict) -> None:
+    """Keep a variant's row as soon as a measure is added to it, so that a rerun skips it."""
+    results[name] = row
+    write_json(path, results)
+
+
+def _header(
+    meta: dict,
+    model_name: str,
+    settings,
+    data: _PromptData,
+    train_text: str,
+    prompt_variant: str,
+    calibrated: str,
+    eval_windows: int,
+    group_size: int,
+) -> str:
+    """The markdown table's opening line: what the prompt was trained on and how, the compression's
+    calibration, the perplexity windows, the group size and the machine."""
+    n_train, seqlen = data.n_train, data.seqlen
+    return (
+        f"model `{model_name}`; prompt: {settings.tokens} virtual tokens, {settings.steps} steps, AdamW lr "
+        f"{settings.lr}, {n_train} samples x "
         f"{seqlen} of the first 90% of `{train_text}`, trained on `{prompt_variant}`; compression calibrated on "
-        f"{calib_samples} x {calib_seqlen} of the same part; perplexity over the first {eval_windows} windows of "
+        f"{calibrated} of the same part; perplexity over the first {eval_windows} windows of "
         f"{seqlen} tokens; "
         f"group size {group_size} (or the largest divisor of a row below it); "
         f"{meta['machine']}, {meta['date']}\n\n"
     )
-    write_text(out / "bench_compress_prompt.md", header + markdown_table(rows, _columns(texts, rows)))
-    return rows
 
 
 def _split_texts(tokenizer, train_text: str, other_text: str) -> tuple[str, dict]:

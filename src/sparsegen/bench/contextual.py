@@ -60,6 +60,56 @@ def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float
     return shares.mean_neurons, shares.mean_heads, step, layer_read / layer_total
 
 
+def _switch_to(model, config: tuple[str, float, float], installed: dict, calibration, engine: str) -> None:
+    """Make `model` run `config` (selector, sparsity, head sparsity): dense, or its selectors, fitted
+    on `calibration` the first time and kept in `installed` for the later rounds to put back."""
+    from sparsegen.contextual import densify, install, sparsify
+    from sparsegen.contextual.apply import installed_heads
+
+    selector, sparsity, heads = config
+    densify(model)
+    if selector == "dense":
+        return
+    if config not in installed:
+        selectors = sparsify(model, selector, sparsity, calibration, head_sparsity=heads, progress=False, engine=engine)
+        installed[config] = (selectors, installed_heads(model))
+    else:
+        install(model, *installed[config], engine)
+
+
+def _rows(batches, configs: list, timings: dict, kept: dict, bandwidth: float) -> list[dict]:
+    """The table: per batch and configuration its best round, against the dense model's best, and
+    the share of the bandwidth's bound it reaches."""
+    rows = []
+    for batch in batches:
+        dense_ms = min(timings[(configs[0], batch)])
+        for config in configs:
+            selector, sparsity, head_sparsity = config
+            ms = min(timings[(config, batch)])
+            share, heads, step_bytes, read = kept[config, batch]
+            rows.append({
+                "selector": selector, "sparsity": sparsity, "head_sparsity": head_sparsity, "batch": batch,
+                "kept": share, "heads": heads, "read": read, "ms": ms,
+                "speedup": dense_ms / ms, "mb": step_bytes / 1e6, "bound": step_bytes / (bandwidth * 1e9) / (ms / 1e3),
+            })  # fmt: skip
+    return rows
+
+
+def _header(model_name: str, meta: dict, bandwidth: float) -> str:
+    """The markdown table's opening line: the run's settings as `meta` records them, the measured
+    read bandwidth (GB/s) and the machine."""
+    compile, context, tokens, engine, rounds = (
+        meta[key] for key in ("compile", "context", "tokens", "engine", "rounds")
+    )
+    return (
+        f"model `{model_name}`, fp32, the fast decode path with compile={compile}, {context}-token prompt then "
+        f"{tokens} greedy steps, sparse MLPs by the {engine} engine, mean ms per step, best of {rounds} alternating "
+        f"rounds; read bandwidth "
+        f"{bandwidth:.1f} GB/s; "
+        f"{meta['machine']}, {meta['date']}\n\n"
+    )
+
+
 def bench_contextual(
     model_name: str = "smollm2-135m",
     selectors: tuple[str, ...] | None = None,
@@ -77,8 +127,7 @@ def bench_contextual(
     engine: str = "gather",
 ) -> list[dict]:
     """`engine`: how the sparse MLPs run a decode step on a CPU (`contextual.fused.ENGINES`)."""
-    from sparsegen.contextual import densify, install, sparsify
-    from sparsegen.contextual.apply import installed_heads
+    from sparsegen.contextual import densify
     from sparsegen.contextual.selector import faster_selectors
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.loading import load
@@ -98,32 +147,13 @@ def bench_contextual(
             for config in configs:
                 selector, sparsity, heads = config
                 progress(f"batch {batch}, round {round_ + 1}: {selector} {sparsity:.0%}, heads {heads:.0%}")
-                densify(model)
-                if selector != "dense":
-                    if config not in installed:
-                        selectors = sparsify(
-                            model, selector, sparsity, calibration, head_sparsity=heads, progress=False, engine=engine
-                        )
-                        installed[config] = (selectors, installed_heads(model))
-                    else:
-                        install(model, *installed[config], engine)
+                _switch_to(model, config, installed, calibration, engine)
                 ms = _decode_ms(model, prompt, tokens, compile, lambda message: progress(f"  {message}"))
                 timings.setdefault((config, batch), []).append(ms)
                 if (config, batch) not in kept:
                     kept[config, batch] = _step_bytes(model, prompt, context)
     densify(model)
-    rows = []
-    for batch in batches:
-        dense_ms = min(timings[(configs[0], batch)])
-        for config in configs:
-            selector, sparsity, head_sparsity = config
-            ms = min(timings[(config, batch)])
-            share, heads, step_bytes, read = kept[config, batch]
-            rows.append({
-                "selector": selector, "sparsity": sparsity, "head_sparsity": head_sparsity, "batch": batch,
-                "kept": share, "heads": heads, "read": read, "ms": ms,
-                "speedup": dense_ms / ms, "mb": step_bytes / 1e6, "bound": step_bytes / (bandwidth * 1e9) / (ms / 1e3),
-            })  # fmt: skip
+    rows = _rows(batches, configs, timings, kept, bandwidth)
     meta = run_meta(
         model=model_name,
         engine=engine,
@@ -134,12 +164,5 @@ def bench_contextual(
         bandwidth_gbs=round(bandwidth, 1),
     )
     write_json(out / "bench_contextual.json", {"meta": meta, "rows": rows})
-    header = (
-        f"model `{model_name}`, fp32, the fast decode path with compile={compile}, {context}-token prompt then "
-        f"{tokens} greedy steps, sparse MLPs by the {engine} engine, mean ms per step, best of {rounds} alternating "
-        f"rounds; read bandwidth "
-        f"{bandwidth:.1f} GB/s; "
-        f"{meta['machine']}, {meta['date']}\n\n"
-    )
-    write_text(out / "bench_contextual.md", header + markdown_table(rows, COLUMNS))
+    write_text(out / "bench_contextual.md", _header(model_name, meta, bandwidth) + markdown_table(rows, COLUMNS))
     return rows

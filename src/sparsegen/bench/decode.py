@@ -203,6 +203,29 @@ DECODE_COLUMNS = [
 ]
 
 
+def _llama_cpp_row(
+    llama_cpp: str, model_name: str, text: str, context: int, new_tokens: int, threads: int, kv_mb: float, device
+) -> dict:
+    """llama.cpp's row: the same `context` tokens of `text` decoded by the model's GGUF under the
+    interpreter `llama_cpp`, with the KV it holds (`kv_mb`)."""
+    from sparsegen.loading import load
+
+    prompt = text_stretches(load(model_name, device=device)[1], text, 1, context)[0]
+    theirs = llama_cpp_row(llama_cpp, model_name, prompt, new_tokens, threads)
+    return {"config": f"llama.cpp {theirs['gguf']}, {context} ctx", **theirs, "kv_mb": kv_mb}
+
+
+def _against_baselines(rows: list[dict], base_ms: float) -> list[dict]:
+    """Each row's speed against generate() (`base_ms`, `speedup`) and the fast path's fp32 row, the
+    second (`vs_fast_fp32`)."""
+    for row in rows:
+        row["speedup"] = base_ms / row["ms"]
+    fast = rows[1]
+    for row in rows:
+        row["vs_fast_fp32"] = fast["ms"] / row["ms"]
+    return rows
+
+
 def bench_decode(
     model_name: str = "smollm2-135m",
     text: str = "shakespeare",
@@ -237,18 +260,9 @@ def bench_decode(
         rows.append({"config": label, **result})
     if llama_cpp:
         progress(f"llama.cpp under {llama_cpp}")
-        from sparsegen.loading import load
-
-        prompt = text_stretches(load(model_name, device=device)[1], text, 1, context)[0]
-        theirs = llama_cpp_row(llama_cpp, model_name, prompt, new_tokens, threads)
         kv_mb = (context + new_tokens // 2) * kv_mb_per_token / 2  # llama.cpp keeps keys and values in fp16
-        rows.append({"config": f"llama.cpp {theirs['gguf']}, {context} ctx", **theirs, "kv_mb": kv_mb})
-    rows = [bound_of(row, bandwidth) for row in rows]
-    for row in rows:
-        row["speedup"] = base["ms"] / row["ms"]
-    fast = rows[1]
-    for row in rows:
-        row["vs_fast_fp32"] = fast["ms"] / row["ms"]
+        rows.append(_llama_cpp_row(llama_cpp, model_name, text, context, new_tokens, threads, kv_mb, device))
+    rows = _against_baselines([bound_of(row, bandwidth) for row in rows], base["ms"])
     result = {"rows": rows}
     notes = []
     if long_context:

@@ -192,6 +192,19 @@ def _pruning_rows(shape: str, device: torch.device, dtype: torch.dtype, samples:
     return rows
 
 
+def _long_context_rows(model, long_context: int, new_tokens: int, bandwidth: float, compile: str) -> list[dict]:
+    """Streaming and H2O against the full cache after `long_context` tokens, each against the full one."""
+    chunk = min(2048, long_context)
+    long = [_decode_row(model, "long context", f"full, {long_context}", 1, long_context, new_tokens, bandwidth,
+                        compile=compile, prefill_chunk=chunk)]  # fmt: skip
+    for policy, budget, held in (("streaming", {"budget": 2048}, min(2048, long_context)),
+                                 ("h2o", {"heavy": 0.1, "recent": 0.1}, long_context // 5)):  # fmt: skip
+        setting = f"{policy}, {held} held of {long_context}"
+        long.append(_decode_row(model, "long context", setting, 1, long_context, new_tokens, bandwidth, held=held,
+                                kv=KVSpec.of(policy, **budget), compile=compile, prefill_chunk=chunk))  # fmt: skip
+    return _versus(long, long[0])
+
+
 def bench_gpu(
     shape: str = "llama3-8b",
     device: str | None = None,
@@ -222,15 +235,7 @@ def bench_gpu(
     rows += _versus(dense, dense[-1])
 
     progress(f"streaming and h2o against dense at a {long_context}-token context")
-    chunk = min(2048, long_context)
-    long = [_decode_row(model, "long context", f"full, {long_context}", 1, long_context, new_tokens, bandwidth,
-                        compile=compile, prefill_chunk=chunk)]  # fmt: skip
-    for policy, budget, held in (("streaming", {"budget": 2048}, min(2048, long_context)),
-                                 ("h2o", {"heavy": 0.1, "recent": 0.1}, long_context // 5)):  # fmt: skip
-        setting = f"{policy}, {held} held of {long_context}"
-        long.append(_decode_row(model, "long context", setting, 1, long_context, new_tokens, bandwidth, held=held,
-                                kv=KVSpec.of(policy, **budget), compile=compile, prefill_chunk=chunk))  # fmt: skip
-    rows += _versus(long, long[0])
+    rows += _long_context_rows(model, long_context, new_tokens, bandwidth, compile)
 
     progress(f"throughput in {kv_mb:.0f} MB of KV")
     rows += _fixed_memory_rows(model, kv_mb, prompt, new_tokens, bandwidth)

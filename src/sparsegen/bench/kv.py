@@ -149,6 +149,49 @@ def _plot_latency(rows: list[dict], context: int, path: Path, title: str) -> Non
     plot_lines(lines, path, xlabel="cache size W (tokens)", ylabel="ms per generated token", title=title, logy=True)
 
 
+def _size_row(
+    size: int,
+    context: int,
+    measured: dict[str, tuple[float, float]],
+    dense: tuple[float, float],
+    megabytes: tuple[float, float],
+    bandwidth: float,
+) -> dict:
+    """One cache size's row: the (ms, RSS) of streaming and recompute at that size (`measured`)
+    against the dense cache's (`dense`), each latency against its byte bound (`megabytes`: the
+    weights' MB and the KV's MB per token)."""
+    (stream_ms, stream_rss), (recompute_ms, recompute_rss) = measured["streaming"], measured["recompute"]
+    dense_ms, dense_rss = dense
+    weight_mb, kv_mb_per_token = megabytes
+    return {
+        "cache": size,
+        "streaming_ms": stream_ms,
+        "recompute_ms": recompute_ms,
+        "dense_ms": dense_ms,
+        "recompute_ratio": recompute_ms / stream_ms,
+        "dense_ratio": dense_ms / stream_ms,
+        "streaming_of_bound": (weight_mb + size * kv_mb_per_token) / bandwidth / stream_ms,
+        "dense_of_bound": (weight_mb + context * kv_mb_per_token) / bandwidth / dense_ms,
+        "streaming_rss": stream_rss,
+        "recompute_rss": recompute_rss,
+        "dense_rss": dense_rss,
+    }
+
+
+def _memory_along_streams(
+    model_name: str, text: str, stream_tokens: tuple[int, ...], cache: int, threads: int, device, progress
+) -> list[dict]:
+    """The RSS sampled along a stream of each length in `stream_tokens` under a streaming `cache`."""
+    memory = []
+    for tokens in stream_tokens:
+        progress(f"RSS along a {tokens}-token stream (cache {cache})")
+        samples = _in_process(
+            _stream_rss_worker, model_name, text, tokens, cache, 256, max(1000, tokens // 20), threads, device=device
+        )
+        memory.append({"tokens": tokens, "samples": samples})
+    return memory
+
+
 def bench_kv(
     model_name: str = "smollm2-135m",
     text: str = "shakespeare",
@@ -183,33 +226,14 @@ def bench_kv(
         recompute_ms, recompute_rss = _in_process(
             _recompute_worker, model_name, text, size, repeats, threads, device=device
         )
-        rows.append(
-            {
-                "cache": size,
-                "streaming_ms": stream_ms,
-                "recompute_ms": recompute_ms,
-                "dense_ms": dense_ms,
-                "recompute_ratio": recompute_ms / stream_ms,
-                "dense_ratio": dense_ms / stream_ms,
-                "streaming_of_bound": (weight_mb + size * kv_mb_per_token) / bandwidth / stream_ms,
-                "dense_of_bound": (weight_mb + context * kv_mb_per_token) / bandwidth / dense_ms,
-                "streaming_rss": stream_rss,
-                "recompute_rss": recompute_rss,
-                "dense_rss": dense_rss,
-            }
-        )
+        measured = {"streaming": (stream_ms, stream_rss), "recompute": (recompute_ms, recompute_rss)}
+        rows.append(_size_row(size, context, measured, (dense_ms, dense_rss), (weight_mb, kv_mb_per_token), bandwidth))
         for policy in also:
             progress(f"cache {size}: {policy} after {context} tokens")
             rows[-1][f"{policy}_ms"] = _in_process(
                 generate_latency, model_name, text, context, new_tokens, size, threads, policy, device=device
             )[0]
-    memory = []
-    for tokens in stream_tokens:
-        progress(f"RSS along a {tokens}-token stream (cache {sizes[0]})")
-        samples = _in_process(
-            _stream_rss_worker, model_name, text, tokens, sizes[0], 256, max(1000, tokens // 20), threads, device=device
-        )
-        memory.append({"tokens": tokens, "samples": samples})
+    memory = _memory_along_streams(model_name, text, stream_tokens, sizes[0], threads, device, progress)
     meta = run_meta(model=model_name, text=text, context=context, new_tokens=new_tokens, bandwidth_gbs=bandwidth)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_kv.json", {"meta": meta, "rows": rows, "memory": memory})

@@ -44,6 +44,48 @@ def _decode_tok_s(model, ids: torch.Tensor, tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def _timing_rows(model_name: str, device: str | None, calibration: torch.Tensor, progress) -> list[dict]:
+    """Pruning time of every method to 50% unstructured, and of the calibrated ones to 2:4, each on a
+    fresh model, against Wanda's time on the same pattern."""
+    from sparsegen.loading import load
+    from sparsegen.prune import PRUNERS, prune
+
+    timing = []
+    calibrated = [m for m in sorted(PRUNERS) if PRUNERS[m].needs_calibration]
+    for method, pattern in [(m, None) for m in sorted(PRUNERS)] + [(m, "2:4") for m in calibrated]:
+        progress(f"pruning time: {method} {pattern or 'unstructured'}")
+        model, _ = load(model_name, device=device)
+        report = prune(model, method, 0.5, pattern, calibration=calibration, progress=False)
+        timing.append({"method": method, "pattern": report.pattern, "seconds": report.seconds})
+    wanda = {row["pattern"]: row["seconds"] for row in timing if row["method"] == "wanda"}
+    for row in timing:
+        row["vs_wanda"] = row["seconds"] / wanda[row["pattern"]] if row["pattern"] in wanda else None
+    return timing
+
+
+def _speed_row(model_name: str, device: str | None, sparsity: float, prompt: torch.Tensor, tokens: int) -> dict:
+    """Decode speed of a fresh model magnitude-pruned to `sparsity`, dense and with its Linear layers
+    swapped to CSR where that pays (`accelerate`)."""
+    from sparsegen.loading import load
+    from sparsegen.prune import prune
+    from sparsegen.prune.accelerate import CSRLinear, accelerate
+
+    model, _ = load(model_name, device=device)
+    prune(model, "magnitude", sparsity, progress=False)
+    dense_tok_s = _decode_tok_s(model, prompt, tokens)
+    ratios = accelerate(model)
+    swapped = sum(isinstance(m, CSRLinear) for m in model.modules())
+    sparse_tok_s = _decode_tok_s(model, prompt, tokens)
+    return {
+        "sparsity": sparsity,
+        "index": "int32",
+        "layers_csr": f"{swapped}/{len(ratios)}",
+        "dense_tok_s": dense_tok_s,
+        "sparse_tok_s": sparse_tok_s,
+        "speedup": sparse_tok_s / dense_tok_s,
+    }
+
+
 def bench_prune(
     model_name: str = "smollm2-135m",
     text: str = "shakespeare",
@@ -58,43 +100,17 @@ def bench_prune(
 ) -> dict:
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.loading import load
-    from sparsegen.prune import PRUNERS, prune
-    from sparsegen.prune.accelerate import CSRLinear, accelerate
 
     model, tokenizer = load(model_name, device=device)
     corpus = load_text(text)
     calibration = calibration_samples(tokenizer, corpus, n_samples, seqlen)
-    timing = []
-    calibrated = [m for m in sorted(PRUNERS) if PRUNERS[m].needs_calibration]
-    for method, pattern in [(m, None) for m in sorted(PRUNERS)] + [(m, "2:4") for m in calibrated]:
-        progress(f"pruning time: {method} {pattern or 'unstructured'}")
-        model, _ = load(model_name, device=device)
-        report = prune(model, method, 0.5, pattern, calibration=calibration, progress=False)
-        timing.append({"method": method, "pattern": report.pattern, "seconds": report.seconds})
-    wanda = {row["pattern"]: row["seconds"] for row in timing if row["method"] == "wanda"}
-    for row in timing:
-        row["vs_wanda"] = row["seconds"] / wanda[row["pattern"]] if row["pattern"] in wanda else None
+    timing = _timing_rows(model_name, device, calibration, progress)
 
     prompt = tokenize_long(tokenizer, corpus, max_tokens=64)[None]
     speed = []
     for sparsity in sparsities:
         progress(f"decode speed at {sparsity:.0%} (magnitude-pruned; speed does not depend on the method)")
-        model, _ = load(model_name, device=device)
-        prune(model, "magnitude", sparsity, progress=False)
-        dense_tok_s = _decode_tok_s(model, prompt, decode_tokens)
-        ratios = accelerate(model)
-        swapped = sum(isinstance(m, CSRLinear) for m in model.modules())
-        sparse_tok_s = _decode_tok_s(model, prompt, decode_tokens)
-        speed.append(
-            {
-                "sparsity": sparsity,
-                "index": "int32",
-                "layers_csr": f"{swapped}/{len(ratios)}",
-                "dense_tok_s": dense_tok_s,
-                "sparse_tok_s": sparse_tok_s,
-                "speedup": sparse_tok_s / dense_tok_s,
-            }
-        )
+        speed.append(_speed_row(model_name, device, sparsity, prompt, decode_tokens))
     gemv = _gemv_table(sparsities, *gemv_shape)
     gpu = "not run: needs a CUDA GPU" if not torch.cuda.is_available() else "not implemented yet"
     meta = run_meta(model=model_name, text=text, n_samples=n_samples, seqlen=seqlen, semi_structured_2_4=gpu)

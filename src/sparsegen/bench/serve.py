@@ -238,6 +238,12 @@ def run_load(
         watcher.join()
     if failures:
         raise SparsegenError(f"{len(failures)} requests failed, the first: {failures[0]}")
+    return _load_point(results, most, watch)
+
+
+def _load_point(results: list[dict], most: dict, watch: bool) -> dict:
+    """`run_load`'s point from its requests' records: tokens/s over the wall time, TTFT and ITL
+    percentiles, the most rows active and queued (None unwatched), the 429s and the answers."""
     wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
     gaps = [g for r in results for g in r["gaps"]]
     ttfts = [r["ttft"] for r in results]
@@ -320,13 +326,10 @@ def bench_serve(
     device: str | None = None,
 ) -> dict:
     """Measure every (configuration, clients) point; write `bench_serve.md`, `.json` and `.png`."""
-    import torch
-
     from sparsegen.bench.measure import read_bandwidth_gbs
     from sparsegen.data import text_stretches
-    from sparsegen.ioutil import write_json, write_text
     from sparsegen.loading import load
-    from sparsegen.report import markdown_table, run_meta
+    from sparsegen.report import run_meta
 
     bandwidth = read_bandwidth_gbs()
     model, tokenizer = load(model_name, device=device)
@@ -344,15 +347,8 @@ def bench_serve(
             point = measure_point(config, model_name, options + extra, prompts, count, requests, max_tokens)
             answers = point.pop("answers")
             if check:
-                missing = sorted({which for which, _ in answers} - references.keys())
-                progress(f"{config.label}: single-request answers of {len(missing)} more prompts")
-                with torch.inference_mode():
-                    made = single_request_answers(
-                        model, tokenizer, config, [prompts[i] for i in missing], max_tokens, prefill_chunk
-                    )
-                references.update(zip(missing, made, strict=True))
-                equal = sum(text == references[which] for which, text in answers)
-                point["greedy_equal"] = f"{equal}/{len(answers)}"
+                alone = (model, tokenizer, max_tokens, prefill_chunk)
+                point["greedy_equal"] = _greedy_equal(answers, references, alone, config, prompts, progress)
             bound = point["most_active"] * bandwidth * 1e9 / step_bytes
             rows.append({"config": config.label, "clients": count, **point, "of_bound": point["tokens_per_s"] / bound})
     meta = run_meta(
@@ -366,13 +362,39 @@ def bench_serve(
         bandwidth_gbs=bandwidth,
         weight_mb=step_bytes / 1e6,
     )
+    _write_results(out, meta, rows, configs)
+    return {"meta": meta, "rows": rows}
+
+
+def _greedy_equal(answers: list, references: dict[int, str], alone: tuple, config, prompts, progress) -> str:
+    """How many of a point's `answers` equal `sparsegen.generate`'s answer to their prompt alone
+    (`alone`: the model, tokenizer, max tokens and prefill chunk), as "equal/all"; the single-request
+    answers are made once per prompt and configuration and kept in `references`."""
+    import torch
+
+    model, tokenizer, max_tokens, prefill_chunk = alone
+    missing = sorted({which for which, _ in answers} - references.keys())
+    progress(f"{config.label}: single-request answers of {len(missing)} more prompts")
+    asked = [prompts[i] for i in missing]
+    with torch.inference_mode():
+        made = single_request_answers(model, tokenizer, config, asked, max_tokens, prefill_chunk)
+    references.update(zip(missing, made, strict=True))
+    equal = sum(text == references[which] for which, text in answers)
+    return f"{equal}/{len(answers)}"
+
+
+def _write_results(out: Path, meta: dict, rows: list[dict], configs: list[ServeConfig]) -> None:
+    """`bench_serve.json`, `bench_serve.md` (its header from the settings `meta` records) and the plot."""
+    from sparsegen.ioutil import write_json, write_text
+    from sparsegen.report import markdown_table
+
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_serve.json", {"meta": meta, "rows": rows})
     head = (
-        f"`{model_name}`, prompts of {','.join(map(str, prompt_tokens))} tokens from `{text}`, {max_tokens} "
-        f"greedy tokens each, {requests} requests per client, --max-kv-mb {max_kv_mb}, {meta['machine']}, "
-        f"{meta['date']}. Bound: most rows active x {bandwidth:.1f} GB/s / {step_bytes / 1e6:.0f} MB of weights.\n\n"
+        f"`{meta['model']}`, prompts of {','.join(map(str, meta['prompt_tokens']))} tokens from `{meta['text']}`, "
+        f"{meta['max_tokens']} greedy tokens each, {meta['requests_per_client']} requests per client, --max-kv-mb "
+        f"{meta['max_kv_mb']}, {meta['machine']}, {meta['date']}. Bound: most rows active x "
+        f"{meta['bandwidth_gbs']:.1f} GB/s / {meta['weight_mb']:.0f} MB of weights.\n\n"
     )
     write_text(out / "bench_serve.md", head + markdown_table(rows, COLUMNS))
-    _plot_per_clients(rows, configs, out, title=f"{model_name}: sparsegen serve, --max-kv-mb {max_kv_mb}")
-    return {"meta": meta, "rows": rows}
+    _plot_per_clients(rows, configs, out, title=f"{meta['model']}: sparsegen serve, --max-kv-mb {meta['max_kv_mb']}")

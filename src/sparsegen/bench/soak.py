@@ -84,6 +84,44 @@ def count_statuses(outcomes: list[dict]) -> dict[str, dict[str, int]]:
     return statuses
 
 
+def _run_clients(
+    pid: int,
+    base: str,
+    model_name: str,
+    prompts: list[list[int]],
+    load: tuple[int, int, int],
+    progress,
+) -> tuple[list[dict], list[tuple[int, float]]]:
+    """The soak itself: `load` (requests, clients, max tokens) sent by client threads taking the
+    next request index in turn; returns every outcome, and the server's (`pid`) RSS read every 20
+    answers."""
+    requests, clients, max_tokens = load
+    outcomes: list[dict] = []
+    rss: list[tuple[int, float]] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+
+    def client_thread() -> None:
+        with httpx.Client() as client:
+            for index in counter:
+                try:
+                    outcome = soak_request(client, base, model_name, index, prompts[index % len(prompts)], max_tokens)
+                except (SparsegenError, httpx.HTTPError) as exc:
+                    outcome = {"kind": "failed", "error": str(exc)}
+                with lock:
+                    outcomes.append({"index": index, **outcome})
+                    if len(outcomes) % 20 == 0:
+                        rss.append((len(outcomes), rss_mb(pid)))
+                        progress(f"{len(outcomes)} requests answered, server RSS {rss[-1][1]:.0f} MB")
+
+    threads = [threading.Thread(target=client_thread) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes, rss
+
+
 def soak(
     model_name: str,
     config: ServeConfig,
@@ -113,30 +151,8 @@ def soak(
     baseline = rss_mb(server.pid)
     bound_mb = httpx.get(f"{base}/health", timeout=10).json()["memory_bound"]["total"] / 2**20
     reset_peak(server.pid)  # the peak of serving, not of loading the model
-    outcomes: list[dict] = []
-    rss: list[tuple[int, float]] = []
-    lock = threading.Lock()
-    counter = iter(range(requests))
-
-    def client_thread() -> None:
-        with httpx.Client() as client:
-            for index in counter:
-                try:
-                    outcome = soak_request(client, base, model_name, index, prompts[index % len(prompts)], max_tokens)
-                except (SparsegenError, httpx.HTTPError) as exc:
-                    outcome = {"kind": "failed", "error": str(exc)}
-                with lock:
-                    outcomes.append({"index": index, **outcome})
-                    if len(outcomes) % 20 == 0:
-                        rss.append((len(outcomes), rss_mb(server.pid)))
-                        progress(f"{len(outcomes)} requests answered, server RSS {rss[-1][1]:.0f} MB")
-
     try:
-        threads = [threading.Thread(target=client_thread) for _ in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        outcomes, rss = _run_clients(server.pid, base, model_name, prompts, (requests, clients, max_tokens), progress)
         time.sleep(1.5)  # the worker notices hung-up clients between steps
         health = httpx.get(f"{base}/health", timeout=10).json()
         peak = rss_mb(server.pid, "VmHWM")  # the process's own peak, between the readings too

@@ -48,12 +48,10 @@ def bench_zeroshot(
     progress=print,
     device: str | None = None,
 ) -> dict:
-    from lm_eval.models.huggingface import HFLM
-
     from sparsegen.data import calibration_samples, load_text
     from sparsegen.eval.harness import SparsegenLM
     from sparsegen.eval.tasks import TASKS, check_tasks
-    from sparsegen.loading import load, resolve_model_path
+    from sparsegen.loading import load
     from sparsegen.prune import prune
 
     tasks = check_tasks(tasks or list(TASKS))
@@ -79,21 +77,7 @@ def bench_zeroshot(
             prune(model, method, 0.5, structure, calibration=calibration, progress=False)
         return SparsegenLM(loaded=(model, tokenizer), batch_size=batch_size)
 
-    pruning = [
-        run(
-            out / "prune" / f"{method}-{(pattern or 'none').replace(':', 'of')}",
-            {"method": method, "pattern": pattern},
-            lambda m=method, p=pattern: pruned_lm(m, p),
-        )
-        for method, pattern in PRUNE_ROWS
-    ]
-    pruning.append(
-        run(
-            out / "prune" / "lm-eval-hf",
-            {"method": "dense (lm-eval hf backend)", "pattern": None},
-            lambda: HFLM(pretrained=resolve_model_path(model_name), device="cpu", batch_size=batch_size),
-        )
-    )
+    pruning = _pruning_rows(run, pruned_lm, model_name, batch_size, folder=out / "prune")
     kv = _kv_rows(run, load(model_name, device=device), share, dense=pruning[0], folder=out / "kv")
     result = run_meta(
         model=model_name,
@@ -109,6 +93,37 @@ def bench_zeroshot(
     write_json(out / "bench_zeroshot.json", result)
     write_text(out / "bench_zeroshot.md", _tables(pruning, kv, tasks, limit, share))
     return result
+
+
+def _pruning_rows(
+    run: Callable[[Path, dict, Callable], dict],
+    pruned_lm: Callable[[str, str | None], object],
+    model_name: str,
+    batch_size: int,
+    folder: Path,
+) -> list[dict]:
+    """Every row of `PRUNE_ROWS` (the model from `pruned_lm(method, pattern)`), then the dense model
+    under lm-eval's own transformers backend, the cross-check, through `run(folder, label, make_lm)`."""
+    from lm_eval.models.huggingface import HFLM
+
+    from sparsegen.loading import resolve_model_path
+
+    pruning = [
+        run(
+            folder / f"{method}-{(pattern or 'none').replace(':', 'of')}",
+            {"method": method, "pattern": pattern},
+            lambda m=method, p=pattern: pruned_lm(m, p),
+        )
+        for method, pattern in PRUNE_ROWS
+    ]
+    pruning.append(
+        run(
+            folder / "lm-eval-hf",
+            {"method": "dense (lm-eval hf backend)", "pattern": None},
+            lambda: HFLM(pretrained=resolve_model_path(model_name), device="cpu", batch_size=batch_size),
+        )
+    )
+    return pruning
 
 
 def _kv_rows(

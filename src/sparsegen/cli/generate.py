@@ -54,6 +54,23 @@ def info(
     out.print(f"KV policies: {', '.join(sorted(POLICIES))}")
 
 
+def _encoded(tokenizer, prompt: str, chat: bool):
+    """The prompt as the model reads it: bare, or (`--chat`) a user turn in the chat template."""
+    if chat:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def _soft_prompt_held(prompt_file: Path, loaded, kv) -> list:
+    """`--prompt-file`: the soft prompt's KV, read once, as the row's pinned start (`generate`'s `held`)."""
+    from sparsegen.prompt import SoftPrompt
+    from sparsegen.prompt.prompted import PromptedModel
+
+    return [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), kv).cache()]
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
@@ -91,18 +108,8 @@ def generate(
     kv = kv_spec(policy, budget, sinks, heavy, recent, position, kv_bits)
     dtype = dtype_named(dtype, "--dtype") if dtype else None
     loaded, tokenizer = load(model, dtype=dtype, device=device, activation_bits=activation_bits)
-    if chat:
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-    else:
-        encoded = tokenizer(prompt, return_tensors="pt")
-    held = None
-    if prompt_file is not None:  # the soft prompt's KV, read once, is the row's pinned start
-        from sparsegen.prompt import SoftPrompt
-        from sparsegen.prompt.prompted import PromptedModel
-
-        held = [PromptedModel(loaded, SoftPrompt.load(prompt_file, loaded), kv).cache()]
+    encoded = _encoded(tokenizer, prompt, chat)
+    held = None if prompt_file is None else _soft_prompt_held(prompt_file, loaded, kv)
     from sparsegen.decode import generate as fast_generate
 
     result = fast_generate(

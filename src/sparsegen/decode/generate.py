@@ -51,6 +51,20 @@ def _rows(input_ids, attention_mask) -> list[list[int]]:
     return [list(row) for row in input_ids]
 
 
+def _sampler(rows: int, temperature: float, top_p: float, seed: int | None) -> Callable:
+    """The token loop's `sample(logits, batch)`: greedy, or (temperature > 0) each prompt's row drawn
+    from its own generator seeded `seed`, so a row draws the same whichever rows share its batch."""
+    generators = None
+    if temperature > 0:
+        generators = [torch.Generator().manual_seed(seed if seed is not None else torch.seed()) for _ in range(rows)]
+
+    def sample(logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
+        drawn_with = None if generators is None else [generators[index] for index in batch]
+        return choose(logits, temperature, top_p, drawn_with)
+
+    return sample
+
+
 @torch.inference_mode()
 def generate(
     model: torch.nn.Module,
@@ -97,14 +111,7 @@ def generate(
     if own_decoder:
         options = {"notify": notify} if notify is not None else {}
         decoder = Decoder(model, kv, compile=compile, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, **options)
-    generators = None
-    if temperature > 0:
-        generators = [torch.Generator().manual_seed(seed if seed is not None else torch.seed()) for _ in prompts]
-
-    def sample(logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
-        drawn_with = None if generators is None else [generators[index] for index in batch]
-        return choose(logits, temperature, top_p, drawn_with)
-
+    sample = _sampler(len(prompts), temperature, top_p, seed)
     with policy_attention(model):  # the model's own attention again when generation ends
         try:
             loop = token_loop(decoder, prompts, held, rule, sample, shared_context)

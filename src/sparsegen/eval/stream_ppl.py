@@ -243,6 +243,45 @@ def _read_nll(path: Path, count: int) -> list[float]:
     return values[:count]
 
 
+def _checked_labels(input_ids: torch.Tensor, runs: list[PolicyRun], chunk: int, reference: str | None) -> list[str]:
+    """`stream_compare`'s arguments checked before any model work: the runs' labels, in order."""
+    if input_ids.dim() != 1 or input_ids.numel() < 2:
+        raise SparsegenError("stream evaluation needs a 1-D sequence of at least 2 tokens")
+    if chunk < 1:
+        raise SparsegenError("chunk must be >= 1")
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise SparsegenError(f"run labels must be unique: {labels}")
+    if reference is not None and reference not in labels:
+        raise SparsegenError(f"reference {reference!r} is not one of the runs {labels}")
+    return labels
+
+
+def _step_all(
+    model,
+    ids: torch.Tensor,
+    runners: list[_Runner],
+    done: int,
+    n: int,
+    reference: str | None,
+    checkpoint: _Checkpoint | None,
+) -> None:
+    """The lockstep: the next `n` tokens from `done` through every run still going, each compared with
+    the reference's log-probs (the reference runs first), their NLLs appended to the checkpoint."""
+    reference_logp = None
+    for runner in runners:
+        take = min(n, runner.active(done))
+        if take == 0:
+            continue
+        logp = runner.step(model, ids, done, take)
+        if checkpoint is not None:
+            checkpoint.append(runner, take)
+        if runner.run.label == reference:
+            reference_logp = logp
+        elif reference_logp is not None:
+            runner.compare(reference_logp, logp)
+
+
 @torch.inference_mode()
 def stream_compare(
     model: torch.nn.Module,
@@ -261,15 +300,7 @@ def stream_compare(
     the tokens it covers. With `out_dir`, NLLs go to `nll_<label>.txt` as they are computed and a
     checkpoint lets an interrupted call resume with the same arguments.
     """
-    if input_ids.dim() != 1 or input_ids.numel() < 2:
-        raise SparsegenError("stream evaluation needs a 1-D sequence of at least 2 tokens")
-    if chunk < 1:
-        raise SparsegenError("chunk must be >= 1")
-    labels = [r.label for r in runs]
-    if len(set(labels)) != len(labels):
-        raise SparsegenError(f"run labels must be unique: {labels}")
-    if reference is not None and reference not in labels:
-        raise SparsegenError(f"reference {reference!r} is not one of the runs {labels}")
+    labels = _checked_labels(input_ids, runs, chunk, reference)
     ids = input_ids.to(next(model.parameters()).device)
     total = ids.numel() - 1  # tokens that have a next token to predict
     runners = [_Runner(model, run) for run in sorted(runs, key=lambda r: r.label != reference)]
@@ -286,18 +317,7 @@ def stream_compare(
             next_save = done + checkpoint_every
             while done < total:
                 n = min(chunk, total - done)
-                reference_logp = None
-                for runner in runners:
-                    take = min(n, runner.active(done))
-                    if take == 0:
-                        continue
-                    logp = runner.step(model, ids, done, take)
-                    if checkpoint is not None:
-                        checkpoint.append(runner, take)
-                    if runner.run.label == reference:
-                        reference_logp = logp
-                    elif reference_logp is not None:
-                        runner.compare(reference_logp, logp)
+                _step_all(model, ids, runners, done, n, reference, checkpoint)
                 done += n
                 bar.update(n)
                 if checkpoint is not None and next_save <= done < total:

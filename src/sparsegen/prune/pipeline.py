@@ -40,6 +40,33 @@ class PruneReport:
         return sum(self.layers.values()) / len(self.layers) if self.layers else 0.0
 
 
+def _check_data_and_owl(
+    method: str, shape: Pattern, needs_data: bool, calibration: torch.Tensor | None, owl: bool, blocks: Blocks
+) -> None:
+    """`prune`'s refusals before any work: calibration missing where the method or OWL needs it, and
+    OWL where it cannot run (N:M patterns, blocks streamed from disk)."""
+    if needs_data and (calibration is None or calibration.dim() != 2):
+        raise SparsegenError(f"{method}{' with OWL' if owl else ''} needs calibration token ids [n_samples, seqlen]")
+    if owl and shape.is_nm:
+        raise SparsegenError("OWL sets a ratio per layer; it does not apply to N:M patterns")
+    if owl and blocks is not IN_MEMORY:
+        raise SparsegenError(
+            "OWL reads every block twice; it runs on a model held whole where it runs (drop --from-disk; on a GPU, "
+            "one that holds the model)"
+        )
+
+
+def _owl_block_ratios(layers, inputs, kwargs, dtype, sparsity: float, progress: bool) -> list[float]:
+    """OWL's first pass over the unpruned blocks: each block's share of outlier activations, turned
+    into its own sparsity ratio averaging to `sparsity`."""
+    scores, hidden = [], inputs
+    for i, block in enumerate(tqdm(layers, desc="OWL outliers", disable=not progress)):
+        linears, stats = collect_stats(block, hidden, kwargs[i], dtype, need_hessian=False)
+        scores.append(outlier_ratio(linears, stats))
+        hidden = run_block(block, hidden, kwargs[i], dtype)
+    return owl_ratios(scores, sparsity)
+
+
 def prune(
     model: nn.Module,
     method: str = "wanda",
@@ -69,15 +96,7 @@ def prune(
     pruner = make_pruner(method, **settings)
     layers = decoder_layers(model)
     needs_data = pruner.needs_calibration or owl
-    if needs_data and (calibration is None or calibration.dim() != 2):
-        raise SparsegenError(f"{method}{' with OWL' if owl else ''} needs calibration token ids [n_samples, seqlen]")
-    if owl and shape.is_nm:
-        raise SparsegenError("OWL sets a ratio per layer; it does not apply to N:M patterns")
-    if owl and blocks is not IN_MEMORY:
-        raise SparsegenError(
-            "OWL reads every block twice; it runs on a model held whole where it runs (drop --from-disk; on a GPU, "
-            "one that holds the model)"
-        )
+    _check_data_and_owl(method, shape, needs_data, calibration, owl, blocks)
     n_samples, seqlen = calibration.shape if needs_data else (0, 0)
     report = PruneReport(method, str(shape), shape.sparsity, owl, n_samples, seqlen, settings=settings_of(pruner))
     started = time.perf_counter()
@@ -88,12 +107,7 @@ def prune(
         else (None, None, None)
     )
     if owl:
-        scores, hidden = [], inputs
-        for i, block in enumerate(tqdm(layers, desc="OWL outliers", disable=not progress)):
-            linears, stats = collect_stats(block, hidden, kwargs[i], dtype, need_hessian=False)
-            scores.append(outlier_ratio(linears, stats))
-            hidden = run_block(block, hidden, kwargs[i], dtype)
-        ratios = owl_ratios(scores, shape.sparsity)
+        ratios = _owl_block_ratios(layers, inputs, kwargs, dtype, shape.sparsity, progress)
     block_counts: list[list[int]] = [[0, 0] for _ in layers]
 
     def prune_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> None:

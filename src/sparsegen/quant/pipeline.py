@@ -4,6 +4,7 @@ outputs of the quantized blocks before it)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,17 +60,7 @@ def quantize(
         if quantizer.needs_calibration
         else (None, None, None)
     )
-
-    def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> Grid:
-        result = quantizer.quantize_weight(linear.weight.data, scheme, stats)
-        linear.weight.data.copy_(result.weight.to(linear.weight.dtype))
-        return result.grid
-
-    def record(i: int, name: str, linear: nn.Linear, grid: Grid | None) -> None:
-        if grid is not None:  # None: written by an interrupted run
-            report.grids[f"{prefix}.{i}.{name}"] = grid
-        report.group_sizes[name.rsplit(".", 1)[-1]] = scheme.group_for(linear.in_features)
-
+    quantize_linear, record = _linear_steps(quantizer, scheme, report, prefix)
     desc = f"{method} int{bits} g{group_size}"
     rewrite_layerwise(
         layers,
@@ -88,6 +79,23 @@ def quantize(
     if pack:
         say_unpacked(pack_quantized(model, report.grids, scheme))
     return report
+
+
+def _linear_steps(quantizer, scheme: QuantScheme, report: QuantReport, prefix: str) -> tuple[Callable, Callable]:
+    """`rewrite_layerwise`'s two callbacks for `quantize`: quantize one Linear in place (its grid
+    returned), then record that grid and the layer's group size in `report` under its full name."""
+
+    def quantize_linear(i: int, name: str, linear: nn.Linear, stats: InputStats | None) -> Grid:
+        result = quantizer.quantize_weight(linear.weight.data, scheme, stats)
+        linear.weight.data.copy_(result.weight.to(linear.weight.dtype))
+        return result.grid
+
+    def record(i: int, name: str, linear: nn.Linear, grid: Grid | None) -> None:
+        if grid is not None:  # None: written by an interrupted run
+            report.grids[f"{prefix}.{i}.{name}"] = grid
+        report.group_sizes[name.rsplit(".", 1)[-1]] = scheme.group_for(linear.in_features)
+
+    return quantize_linear, record
 
 
 def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:

@@ -183,31 +183,44 @@ async def completions(body: CompletionRequest, request: Request):
         return StreamingResponse(pieces, media_type="text/event-stream")
 
     jobs, queues = zip(*(server.submit(asked(ids)) for ids in prompts), strict=True)
+    choices = await asyncio.gather(
+        *(_completion_choice(server, request, jobs[i], queues[i], i, ids, body) for i, ids in enumerate(prompts))
+    )
+    totals = _usage_totals(choices)
+    server.answered(request)
+    return {**head, "choices": choices, "usage": usage(totals)}
 
-    async def one(index: int, ids: list[int]) -> dict:
-        entries, done = [], None
-        async for event in server.events(request, jobs[index], queues[index]):
-            if isinstance(event, PromptLogprobs):
-                entries = event.entries + entries
-            elif isinstance(event, Token) and event.logprob is not None:
-                entries.append(event.logprob)
-            elif isinstance(event, Done):
-                done = event
-        if done is None:
-            raise ApiError(499, "client disconnected")
-        return {
-            "index": index,
-            "text": (tokenizer.decode(ids) if body.echo else "") + done.text,
-            "logprobs": _logprobs_block(entries, tokenizer) if body.logprobs is not None else None,
-            "finish_reason": done.finish_reason,
-            "_usage": done.usage,
-        }
 
-    choices = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+async def _completion_choice(
+    server: Server, request: Request, job: Job, queue, index: int, ids: list[int], body: CompletionRequest
+) -> dict:
+    """One prompt's answer in a non-streamed completion: its events gathered into the choice (echoed
+    prompt, text, logprobs), its usage under `_usage` for `_usage_totals` to take off."""
+    tokenizer = server.engine.tokenizer
+    entries, done = [], None
+    async for event in server.events(request, job, queue):
+        if isinstance(event, PromptLogprobs):
+            entries = event.entries + entries
+        elif isinstance(event, Token) and event.logprob is not None:
+            entries.append(event.logprob)
+        elif isinstance(event, Done):
+            done = event
+    if done is None:
+        raise ApiError(499, "client disconnected")
+    return {
+        "index": index,
+        "text": (tokenizer.decode(ids) if body.echo else "") + done.text,
+        "logprobs": _logprobs_block(entries, tokenizer) if body.logprobs is not None else None,
+        "finish_reason": done.finish_reason,
+        "_usage": done.usage,
+    }
+
+
+def _usage_totals(choices: list[dict]) -> dict:
+    """The usage of a completion of several prompts: each choice's `_usage` taken off it and summed."""
     totals = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "kv_tokens_held": 0}
     for answer in choices:
         counted = answer.pop("_usage")
         for key in totals:
             totals[key] += counted[key]
-    server.answered(request)
-    return {**head, "choices": choices, "usage": usage(totals)}
+    return totals

@@ -35,17 +35,8 @@ def mask_agreement(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
     return agree / total
 
 
-def main() -> None:
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.obcq import SparseGPTModifier
-    from llmcompressor.modifiers.pruning import WandaPruningModifier
-
-    from sparsegen.data import calibration_samples, load_text, tokenize_long
-    from sparsegen.eval.perplexity import windowed_ppl
-    from sparsegen.loading import load
-    from sparsegen.prune import prune
-
+def _parse_args() -> argparse.Namespace:
+    """The command line: calibration and evaluation sizes, the output folder, configurations to skip."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--n-samples", type=int, default=32)
     parser.add_argument("--seqlen", type=int, default=512)
@@ -54,8 +45,39 @@ def main() -> None:
     parser.add_argument("--max-windows", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("results/llmcompressor"))
     parser.add_argument("--skip", type=int, default=0, help="Skip the first N configurations.")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def _pruned_by_llmcompressor(modifier, dataset, args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
+    """A fresh model pruned to 50% by llm-compressor's `modifier` on the same calibration `dataset`,
+    and the seconds it took."""
+    from llmcompressor import oneshot
+
+    from sparsegen.loading import load
+
+    theirs, _ = load()
+    started = time.perf_counter()
+    oneshot(
+        model=theirs,
+        dataset=dataset,
+        num_calibration_samples=args.n_samples,
+        max_seq_length=args.seqlen,
+        recipe=modifier(sparsity=0.5, mask_structure="0:0", targets=[r"re:model.layers.\d+$"], ignore=["lm_head"]),
+    )
+    return theirs, time.perf_counter() - started
+
+
+def main() -> None:
+    from datasets import Dataset
+    from llmcompressor.modifiers.obcq import SparseGPTModifier
+    from llmcompressor.modifiers.pruning import WandaPruningModifier
+
+    from sparsegen.data import calibration_samples, load_text, tokenize_long
+    from sparsegen.eval.perplexity import windowed_ppl
+    from sparsegen.loading import load
+    from sparsegen.prune import prune
+
+    args = _parse_args()
     _, tokenizer = load()
     calibration = calibration_samples(tokenizer, load_text("shakespeare"), args.n_samples, args.seqlen, seed=0)
     held_out = tokenize_long(tokenizer, load_text(args.eval_text))
@@ -73,16 +95,7 @@ def main() -> None:
         started = time.perf_counter()
         prune(ours, method, 0.5, calibration=calibration, calibration_dtype=None, progress=False, **options)
         ours_seconds = time.perf_counter() - started
-        theirs, _ = load()
-        started = time.perf_counter()
-        oneshot(
-            model=theirs,
-            dataset=dataset,
-            num_calibration_samples=args.n_samples,
-            max_seq_length=args.seqlen,
-            recipe=modifier(sparsity=0.5, mask_structure="0:0", targets=[r"re:model.layers.\d+$"], ignore=["lm_head"]),
-        )
-        theirs_seconds = time.perf_counter() - started
+        theirs, theirs_seconds = _pruned_by_llmcompressor(modifier, dataset, args)
         ppl_ours = windowed_ppl(ours, held_out, args.eval_seqlen, args.max_windows, progress=False).ppl
         ppl_theirs = windowed_ppl(theirs, held_out, args.eval_seqlen, args.max_windows, progress=False).ppl
         rows.append(
