@@ -204,3 +204,18 @@ def test_lowering_the_sinks_for_a_short_request_is_said_once(capsys):
     lm._make_cache(400)  # long enough: the 4 sinks stay, nothing to say
     said = capsys.readouterr().err
     assert said.count("sinks lowered to 1 for a 6-token request") == 1 and "lowered to 1 for a 4" not in said
+
+
+def test_the_zeroshot_bench_gives_every_policy_a_share_it_accepts():
+    """`bench zeroshot` runs every policy at a share of each request; the three whose window is a
+    token count refuse a whole-budget share, and get the share as their scored part instead."""
+    from sparsegen.bench.zeroshot import _share_settings
+    from sparsegen.kv import POLICIES
+    from sparsegen.kv.spec import KVSpec
+
+    for policy in sorted(POLICIES):
+        settings = _share_settings(policy, 0.2)
+        spec = KVSpec.of(policy, **settings)  # no policy refuses what the bench gives it
+        assert spec.policy.name == policy
+        whole = policy not in ("snapkv", "pyramidkv", "duo_attention")
+        assert settings.get("budget" if whole else "heavy") == 0.2

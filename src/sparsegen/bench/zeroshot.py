@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sparsegen.errors import SparsegenError
 from sparsegen.eval.zeroshot import zeroshot_job
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.kv import POLICIES
+from sparsegen.kv.spec import KVSpec
 from sparsegen.prune import PRUNERS
 from sparsegen.report import markdown_table, run_meta
 
@@ -138,13 +140,23 @@ def _kv_rows(
         run(
             folder / policy,
             {"policy": policy, "budget": share},
-            lambda p=policy: SparsegenLM(
-                loaded=loaded, policy=p, budget=share, sinks=4 if "sinks" in POLICIES[p].budget_parts() else None
-            ),
+            lambda p=policy: SparsegenLM(loaded=loaded, policy=p, **_share_settings(p, share)),
         )
         for policy in sorted(POLICIES)
         if policy != "full"
     ]
+
+
+def _share_settings(policy: str, share: float) -> dict:
+    """H2O's "share of each request" as `policy`'s settings: its whole budget, or, where the policy
+    refuses a share because a window of it is a token count (SnapKV, PyramidKV, DuoAttention), the
+    share its scored tokens keep beside that window (`heavy=`); 4 sinks where it has sinks."""
+    sinks = {"sinks": 4} if "sinks" in POLICIES[policy].budget_parts() else {}
+    try:
+        KVSpec.of(policy, budget=share, **sinks)
+    except SparsegenError:
+        return {"heavy": share, **sinks}
+    return {"budget": share, **sinks}
 
 
 def _tables(pruning: list[dict], kv: list[dict], tasks: list[str], limit: int | None, share: float) -> str:
