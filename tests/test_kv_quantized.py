@@ -59,6 +59,25 @@ def test_bad_bit_widths_get_one_line_errors():
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("bits", [8, 2])
+def test_rolled_sinks_are_read_from_their_bytes_once_they_leave_the_ring_on_both_engines(bits):
+    """Streaming with rolling positions re-rotates its sinks every step. Once a sink is older than
+    the ring's newest RESIDUAL tokens, both engines read it from its rounded bytes: their logits
+    stay equal to float noise at every step (the drop-in cache once kept a full-precision copy of
+    its sinks, taken while they were in the ring: off by the rounding error from then on)."""
+    model = build_tiny("llama")
+    ids = _prompt(21)[0].tolist()
+    spec = KVSpec.of("streaming", kv_bits=bits, position="rolling", sinks=2, recent=4)
+    decoder, cache = Decoder(model, spec, compile="never"), make_cache(model, spec)
+    with policy_attention(model), torch.inference_mode():
+        fast, drop_in = [decoder.start([ids], 64)[0]], [model(torch.tensor([ids]), cache=cache).logits[0, -1]]
+        for _ in range(RESIDUAL - len(ids) + 8):  # 8 steps past the sinks' leaving the ring
+            token = int(drop_in[-1].argmax())
+            fast.append(decoder.step(torch.tensor([token]))[0])
+            drop_in.append(model(torch.tensor([[token]]), cache=cache).logits[0, -1])
+    torch.testing.assert_close(torch.stack(fast), torch.stack(drop_in), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("policy", list(SMALL))
 def test_fast_path_equals_the_drop_in_cache_at_each_bit_width(arch, policy, bits):

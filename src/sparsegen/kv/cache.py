@@ -170,14 +170,16 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             )
         # A contiguous policy holds the sinks plus a run of the newest tokens:
         # only the sinks move, all by the same delta. Sinks keep slots [0, sinks) (never evicted,
-        # compaction keeps slot order), so they are rotated in place (in the buffer itself at full
-        # precision, in the decoded copy under a codec) from a pristine copy.
+        # compaction keeps slot order). At full precision they are rotated in the buffer itself,
+        # from a pristine copy; under a codec `keys` is a fresh decoded copy each call (the sinks
+        # from the ring while they are that new, from their bytes after), rotated as read.
         sinks = min(self.sizes.sinks, self.size)
         if sinks:
-            if self.sink_keys is None:
+            if self.codec is None and self.sink_keys is None:
                 self.sink_keys = keys[:, :, :sinks].clone()
+            pristine = keys[:, :, :sinks].clone() if self.codec is not None else self.sink_keys
             delta = torch.tensor(self.cumulative_length - self.size, device=self.device)
-            keys[:, :, :sinks] = self.rotation.rotate(self.sink_keys, delta)
+            keys[:, :, :sinks] = self.rotation.rotate(pristine, delta)
         return keys
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

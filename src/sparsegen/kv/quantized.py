@@ -45,6 +45,11 @@ apart, and clipping them pays: on SmolLM2 (1,024 tokens, rotated, full cache and
 perplexity against fp32 KV fell to +6.6% and +3.6% on Milton, +53% to +16% on Paul Graham's
 essays. At 3 and 4 bits it did not: clipping to 0.9 helped on Milton and hurt on the essays
 (int3 +2.7% -> +4.4%), so those widths keep min-max."""
+CLIP_TOLERANCE = 1e-3
+"""A narrower range is chosen only if it rounds with less squared error by more than this share:
+the same vector rotated in another batch shape differs in its last bits, and without a margin
+two ranges of (nearly) equal error would be chosen by that noise, so the fast path and the
+drop-in cache would store one token differently."""
 
 
 def rotation(dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -152,8 +157,9 @@ class KVCodec:
 
     def _ranges(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's fp16 minimum and step [..., groups, 1]: of the ranges `CLIPS[bits]` shrink
-        its min-max range to, the one whose rounding leaves the least squared error (the first,
-        unclipped, on a tie: a constant group still decodes exactly; min-max alone above 2 bits)."""
+        its min-max range to, the widest whose rounding leaves within `CLIP_TOLERANCE` of the least
+        squared error (a constant group keeps min-max and decodes exactly; min-max alone above 2
+        bits)."""
         levels = (1 << self.bits) - 1
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         shares = torch.tensor(CLIPS[self.bits], device=groups.device)
@@ -165,7 +171,8 @@ class KVCodec:
         each, first = groups.unsqueeze(-2), lows.float().unsqueeze(-1)  # [..., groups, 1 | clips, group]
         rounded = ((each - first) / steps.float().unsqueeze(-1)).round_().clamp_(0, levels)
         error = (rounded * steps.float().unsqueeze(-1) + first - each).square_().sum(-1)
-        best = error.argmin(-1, keepdim=True)
+        near_best = error <= error.amin(-1, keepdim=True) * (1 + CLIP_TOLERANCE)
+        best = near_best.int().argmax(-1, keepdim=True)  # the widest range within the tolerance
         return lows.gather(-1, best), steps.gather(-1, best)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
