@@ -177,7 +177,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
         if sinks:
             if self.codec is None and self.sink_keys is None:
                 self.sink_keys = keys[:, :, :sinks].clone()
-            pristine = keys[:, :, :sinks].clone() if self.codec is not None else self.sink_keys
+            pristine = keys[:, :, :sinks] if self.codec is not None else self.sink_keys  # rotate writes a new tensor
             delta = torch.tensor(self.cumulative_length - self.size, device=self.device)
             keys[:, :, :sinks] = self.rotation.rotate(pristine, delta)
         return keys
