@@ -40,16 +40,15 @@ SIGN_SEED = 0x5EED
 """The seed of the rotation's fixed signs: part of the stored format, never to change."""
 CLIPS = {8: (1.0,), 4: (1.0,), 3: (1.0,), 2: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)}
 """Per width, the shares of a group's range (about its middle) tried as its rounding range, the
-one leaving the least squared error kept. At 2 bits a group's extremes stretch its 4 levels far
-apart, and clipping them pays: on SmolLM2 (1,024 tokens, rotated, full cache and streaming) +39%
-perplexity against fp32 KV fell to +6.6% and +3.6% on Milton, +53% to +16% on Paul Graham's
-essays. At 3 and 4 bits it did not: clipping to 0.9 helped on Milton and hurt on the essays
-(int3 +2.7% -> +4.4%), so those widths keep min-max."""
+one leaving the least squared error kept (within `CLIP_TOLERANCE`). At 2 bits a group's extremes
+stretch its 4 levels far apart, and clipping them pays: on SmolLM2 (1,024 tokens, rotated, full
+cache) +39% perplexity against fp32 KV fell to +6.6% on Milton, +53% to +16% on Paul Graham's
+essays (docs/benchmarks.md). At 3 and 4 bits it did not: clipping to 0.9 helped on Milton and hurt
+on the essays (int3 +2.7% -> +4.4%), so those widths keep min-max."""
 CLIP_TOLERANCE = 1e-3
-"""A narrower range is chosen only if it rounds with less squared error by more than this share:
-the same vector rotated in another batch shape differs in its last bits, and without a margin
-two ranges of (nearly) equal error would be chosen by that noise, so the fast path and the
-drop-in cache would store one token differently."""
+"""A narrower range is chosen only if it rounds with less squared error by more than this share,
+so that float noise in a vector's last bits (another batch shape, another engine) never decides
+between two ranges of nearly equal error."""
 
 
 def rotation(dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -162,12 +161,13 @@ class KVCodec:
         bits)."""
         levels = (1 << self.bits) - 1
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        if len(CLIPS[self.bits]) == 1:  # min-max
+            low = low.half()
+            return low, ((high - low.float()) / levels).clamp_min(1e-5).half()
         shares = torch.tensor(CLIPS[self.bits], device=groups.device)
         middle, half = (low + high) / 2, (high - low) / 2
         lows = (middle - half * shares).half()  # [..., groups, clips]
         steps = ((middle + half * shares - lows.float()) / levels).clamp_min(1e-5).half()
-        if shares.numel() == 1:
-            return lows, steps
         each, first = groups.unsqueeze(-2), lows.float().unsqueeze(-1)  # [..., groups, 1 | clips, group]
         rounded = ((each - first) / steps.float().unsqueeze(-1)).round_().clamp_(0, levels)
         error = (rounded * steps.float().unsqueeze(-1) + first - each).square_().sum(-1)
