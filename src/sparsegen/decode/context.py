@@ -19,12 +19,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.cache import gather_slots
 from sparsegen.kv.evict import priorities, update_scores, victim
 from sparsegen.kv.policy import PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
-from sparsegen.kv.slots import EMPTY, HeldSlots
+from sparsegen.kv.slots import HeldSlots
 from sparsegen.kv.spec import policy_step_settings
+from sparsegen.kv.store import EMPTY, gather_slots
 
 
 @dataclass
@@ -66,7 +66,7 @@ class ContextRows:
         if self.rolling is not None:
             rows, moved = self.rolling, shift[self.rolling]
             first = self.keys[:, : self.sinks].expand(moved.shape[0], -1, -1, -1)
-            rolled = self.rotation.rotate(first, moved.expand(-1, -1, self.sinks))
+            rolled = self.rotation.roll_sinks(first, moved)
             scores[rows, :, :, : self.sinks] = (query[rows].float() @ rolled.float().transpose(-1, -2)) * scaling
         return scores.masked_fill_(~self.live.unsqueeze(2), float("-inf"))
 
@@ -162,4 +162,4 @@ def split_context(part: HeldSlots, length: int) -> tuple[torch.Tensor, torch.Ten
     kept = own.gather(2, order)
     tokens = {name: gather_slots(getattr(part, name), order) for name in ("keys", "values", "scores")}
     tokens["positions"] = torch.where(kept, positions.gather(2, order), EMPTY)
-    return counts > 0, scores, replace(part, **tokens)
+    return counts > 0, scores, replace(part, store=replace(part.store, **tokens))

@@ -14,13 +14,14 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from sparsegen.decode.context import ContextRows, split_context
-from sparsegen.decode.state import DEAD, RING, LayerState, first_free
+from sparsegen.decode.state import LayerState, first_free
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.kernels import kernels_available, reads_bytes
 from sparsegen.kv.policy import PARTS, Policy, Sizes
-from sparsegen.kv.slots import EMPTY, HeldSlots, slots_of_layer
+from sparsegen.kv.slots import HeldSlots, slots_of_layer
 from sparsegen.kv.spec import policy_step_settings
+from sparsegen.kv.store import DEAD, EMPTY, RING, SlotStore
 from sparsegen.kv.window import WindowPolicy
 
 
@@ -75,11 +76,14 @@ def slots_of(layer: CacheLayerMixin) -> HeldSlots:
     held = layer.keys.shape[2]
     window = layer.sliding_window - 1
     positions = torch.arange(layer.cumulative_length - held, layer.cumulative_length, device=layer.keys.device)
-    return HeldSlots(
+    store = SlotStore(
         keys=layer.keys,
         values=layer.values,
         positions=positions.expand(*layer.keys.shape[:2], held).clone(),
         scores=layer.keys.new_zeros(layer.keys.shape[:3], dtype=torch.float32),
+    )
+    return HeldSlots(
+        store,
         policy=WindowPolicy(recent=window),
         sizes=Sizes(recent=window),
         evicting=True,
@@ -108,7 +112,7 @@ def _check_one_step(parts: list[HeldSlots], bounded: bool) -> None:
         )
 
 
-def _buffers(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool) -> dict[str, torch.Tensor]:
+def _buffers(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool) -> SlotStore:
     """Every row's keys, values, positions and scores in `capacity` slots, the rest free (or DEAD,
     beyond an evicting row's budget where it is `bounded` by it): in the rows' codec's bytes where
     they are held in one, else in `kv_dtype`."""
@@ -129,7 +133,8 @@ def _buffers(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bound
         if part.evicting and bounded:
             positions[row : row + n, :, part.sizes.budget + 1 :] = DEAD
         row += n
-    return {"keys": keys, "values": values, "positions": positions, "scores": scores}
+    ring = {} if parts[0].codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}
+    return SlotStore(keys, values, positions, scores, parts[0].codec, **ring, kv_heads=parts[0].kv_heads)
 
 
 def _row_sizes(parts: list[HeldSlots], device: torch.device) -> Sizes:
@@ -138,16 +143,11 @@ def _row_sizes(parts: list[HeldSlots], device: torch.device) -> Sizes:
     return Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
 
 
-def _rings(parts: list[HeldSlots]) -> dict[str, torch.Tensor]:
-    """The rows' rings of their newest tokens at full precision, where a codec holds their KV."""
-    return {} if parts[0].codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}
-
-
 def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool = True) -> LayerState:
     """One layer's slots for all rows, from each row group's prefilled layer (`_buffers`)."""
     _check_one_step(parts, bounded)
-    buffers = _buffers(parts, capacity, kv_dtype, bounded)
-    keys, positions = buffers["keys"], buffers["positions"]
+    store = _buffers(parts, capacity, kv_dtype, bounded)
+    keys, positions = store.keys, store.positions
     codec, device = parts[0].codec, keys.device
     policy, evicting = parts[0].policy, parts[0].evicting
     slot = (positions == EMPTY).int().argmax(-1, keepdim=True)
@@ -164,16 +164,14 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
         policy=policy,
         sizes=_row_sizes(parts, device),
         evicting=evicting,
-        **buffers,
+        store=store,
         slot=slot,
         rotation=parts[0].rotation,
         contiguous=policy.contiguous,
         sinks=max(part.sizes.sinks for part in parts),
-        codec=codec,
         byte_products=byte_products,
         rolled_products=rolled_products,
         fused_attention=fused_attention,
-        **_rings(parts),
     )
 
 
@@ -187,21 +185,18 @@ def stack_flat(parts: list[HeldSlots], max_new_tokens: int, kv_dtype: torch.dtyp
     step = math.lcm(64, heads)
     needed = max(part.keys.shape[2] for part in parts) + heads * max_new_tokens
     capacity = max(-(-needed // step) * step, min_slots)
-    buffers = _buffers(parts, capacity, kv_dtype, bounded=False)
-    positions = buffers["positions"]
-    head_of = torch.arange(capacity, device=positions.device).remainder(heads).expand_as(positions).clone()
+    store = _buffers(parts, capacity, kv_dtype, bounded=False)
+    positions = store.positions
+    store.head_of = torch.arange(capacity, device=positions.device).remainder(heads).expand_as(positions).clone()
     row = 0
     for part in parts:
-        head_of[row : row + part.keys.shape[0], :, : part.keys.shape[2]] = part.head_of
+        store.head_of[row : row + part.keys.shape[0], :, : part.keys.shape[2]] = part.head_of
         row += part.keys.shape[0]
     return LayerState(
         policy=parts[0].policy,
         sizes=_row_sizes(parts, positions.device),
         evicting=False,
-        **buffers,
-        slot=first_free(positions, head_of, heads),
+        store=store,
+        slot=first_free(positions, store.head_of, heads),
         rotation=parts[0].rotation,
-        codec=parts[0].codec,
-        head_of=head_of,
-        **_rings(parts),
     )

@@ -22,12 +22,9 @@ from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.evict import priorities, update_scores, victim
 from sparsegen.kv.kernels import held_mix, held_scores, rolled_scores, slot_attention
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
-from sparsegen.kv.quantized import KVCodec, remember
 from sparsegen.kv.rope import KeyRotation, roll_deltas
-from sparsegen.kv.slots import EMPTY, HeldSlots, take_slots
-
-DEAD = -2
-RING = ("recent_keys", "recent_values")
+from sparsegen.kv.slots import HeldSlots, take_slots
+from sparsegen.kv.store import DEAD, EMPTY, RING, SlotStore, append_rows, put_in_slots, select_rows, store_view
 
 
 def scores_of(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -49,7 +46,8 @@ def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LayerState:
-    """One attention layer's slots: keys/values [b, h, C, d], positions/scores [b, h, C], slot [b, h, 1].
+    """One attention layer's slots (a `kv.store.SlotStore`: keys/values [b, h, C, d],
+    positions/scores [b, h, C]) and each row's next slot [b, h, 1].
 
     `evicting` layers score and evict each step; the others keep every token (dense, or a
     prefill-only policy after its compression). `rotation` is set for rolling positions;
@@ -68,51 +66,30 @@ class LayerState:
     policy: Policy
     sizes: Sizes
     evicting: bool
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    scores: torch.Tensor
+    store: SlotStore
     slot: torch.Tensor
     rotation: KeyRotation | None = None
     contiguous: bool = False
     sinks: int = 0
-    codec: KVCodec | None = None
-    recent_keys: torch.Tensor | None = None
-    recent_values: torch.Tensor | None = None
     byte_products: bool = False
     rolled_products: bool = False
     fused_attention: bool = False
     context: ContextRows | None = None
-    head_of: torch.Tensor | None = None
 
-    @property
-    def per_row(self) -> tuple[str, ...]:
-        """The names of the tensors with a row per batch row."""
-        rows = ("keys", "values", "positions", "scores", "slot", *(() if self.head_of is None else ("head_of",)))
-        return rows if self.codec is None else (*rows, *RING)
-
-    @property
-    def per_slot(self) -> tuple[str, ...]:
-        """The names of the tensors with a slot per slot (dim 2)."""
-        return ("keys", "values", "positions", "scores", *(() if self.head_of is None else ("head_of",)))
+    # what the store holds, read-only
+    keys, values, positions, scores = (store_view(n) for n in ("keys", "values", "positions", "scores"))
+    codec, head_of, recent_keys, recent_values = (store_view(n) for n in ("codec", "head_of", *RING))
 
     @property
     def kv_heads(self) -> int:
         """KV heads per row (flat heads are tagged, not a dimension)."""
-        return self.keys.shape[1] if self.head_of is None else self.slot.shape[2]
+        return self.store.heads
 
     def select(self, order: list[int]) -> None:
         """Keep the rows `order` (old indices, in their new order; rows leave the batch between
-        steps), in place: only rows whose index changes are copied, and the buffers keep their
-        storage for rows that join later."""
-        moved = [(new, old) for new, old in enumerate(order) if new != old]
-        for name in self.per_row:
-            buffer = getattr(self, name)
-            if len(moved) > 1:  # a permutation: read every moved row before writing any
-                buffer[[new for new, _ in moved]] = buffer[[old for _, old in moved]]
-            elif moved:
-                buffer[moved[0][0]].copy_(buffer[moved[0][1]])
-            buffer.resize_(len(order), *buffer.shape[1:])
+        steps), in place (`SlotStore.select`): the buffers keep their storage for rows that join later."""
+        self.store.select(order)
+        select_rows(self.slot, order)
         self.sizes = Sizes(*(getattr(self.sizes, part)[order] for part in PARTS))
         if self.context is not None:
             self.context.select(torch.tensor(order, dtype=torch.long, device=self.keys.device))
@@ -120,30 +97,17 @@ class LayerState:
     def grow(self, capacity: int) -> None:
         """Add slots up to `capacity`: free (EMPTY) where rows keep every token, else DEAD (beyond
         each row's budget); every row's next slot stays where it was."""
-        extra = capacity - self.keys.shape[2]
-        if extra <= 0:
-            return
-        b, h = self.positions.shape[:2]
-        self.keys = torch.cat([self.keys, self.keys.new_zeros(b, h, extra, self.keys.shape[3])], 2)
-        self.values = torch.cat([self.values, self.values.new_zeros(b, h, extra, self.values.shape[3])], 2)
-        bounded = self.evicting and self.context is None
-        self.positions = torch.cat(
-            [self.positions, self.positions.new_full((b, h, extra), DEAD if bounded else EMPTY)], 2
-        )
-        self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, extra)], 2)
-        if self.head_of is not None:  # the heads take the new slots in turn
-            tags = torch.arange(capacity - extra, capacity, device=self.head_of.device).remainder(self.kv_heads)
-            self.head_of = torch.cat([self.head_of, tags.expand(b, h, extra)], 2)
+        self.store.grow(capacity, DEAD if self.evicting and self.context is None else EMPTY)
 
     def extend(self, other: LayerState) -> None:
         """Append `other`'s rows (rows join the batch between steps)."""
         if (self.head_of is None) != (other.head_of is None):
             raise SparsegenError("rows holding their heads flat cannot share a batch with rows holding them apart")
-        capacity = max(self.keys.shape[2], other.keys.shape[2])
+        capacity = max(self.store.capacity, other.store.capacity)
         self.grow(capacity)
         other.grow(capacity)
-        for name in self.per_row:
-            setattr(self, name, _append_rows(getattr(self, name), getattr(other, name)))
+        self.store.extend(other.store)
+        self.slot = append_rows(self.slot, other.slot)
         self.sizes = Sizes(*(torch.cat([getattr(self.sizes, p), getattr(other.sizes, p)]) for p in PARTS))
         self.sinks = max(self.sinks, other.sinks)
         self.evicting |= other.evicting and other.context is not None  # rows of a shared context may mix
@@ -160,17 +124,12 @@ class LayerState:
         index = slice(row, row + 1)
         if isinstance(layer, PolicyLayer):
             sizes = Sizes(*(int(getattr(self.sizes, part)[row]) for part in PARTS))
-            keys, values = self.keys[index], self.values[index]
+            tokens = {name: t[index] for name, t in self.store.tensors().items()}
             if self.codec is None:
-                keys, values = keys.to(dtype), values.to(dtype)
-            positions, scores = self.positions[index], self.scores[index]
-            ring = {} if self.codec is None else {name: getattr(self, name)[index] for name in RING}
-            if self.head_of is not None:
-                ring.update(head_of=self.head_of[index], kv_heads=self.kv_heads)
-            held = HeldSlots(
-                keys, values, positions, scores, self.policy, sizes, self.evicting, codec=self.codec, **ring
-            )
-            take_slots(layer, held, seen, dtype)
+                tokens["keys"], tokens["values"] = tokens["keys"].to(dtype), tokens["values"].to(dtype)
+            ring = {name: t[index] for name, t in self.store.ring().items()}
+            store = SlotStore(**tokens, codec=self.codec, **ring, kv_heads=self.kv_heads)
+            take_slots(layer, HeldSlots(store, self.policy, sizes, self.evicting), seen, dtype)
             return
         # a sliding-window layer holds its live tokens in position order
         live = self.positions[row] >= 0
@@ -184,32 +143,19 @@ class LayerState:
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.cumulative_length = seen
 
-    def _stored(self, new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        return new.to(buffer.dtype) if self.codec is None else self.codec.encode(new)
-
     def write(self, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
         """Put the new token's key/value [b, h, 1, d] at `position` [b] into each row's free slot."""
         b, h = key.shape[:2]
-        if self.codec is not None:
-            at = position.view(b, 1, 1).expand(b, h, 1)
-            remember(self.recent_keys, key, at)
-            remember(self.recent_values, value, at)
-        key, value = self._stored(key, self.keys), self._stored(value, self.values)
+        self.store.remember(key, value, position.view(b, 1, 1).expand(b, h, 1))
+        key, value = self.store.stored(key), self.store.stored(value)
         if self.head_of is not None:  # one slot per head, token-major
             key, value = ragged.spread(key), ragged.spread(value)
-        put_in_slots(self.keys, self.slot, key)
-        put_in_slots(self.values, self.slot, value)
-        put_in_slots(self.positions, self.slot, position.view(b, 1, 1).expand(self.slot.shape))
-        put_in_slots(self.scores, self.slot, 0.0)
+        self.store.put(self.slot, key, value, position.view(b, 1, 1).expand(self.slot.shape))
 
     def read(self, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot's key and value as numbers: the buffers themselves, or decoded with each
-        row's newest tokens (of `seen` [b, 1, 1]; the one just written among them) from the ring
-        at full precision (`kv.quantized`)."""
-        if self.codec is None:
-            return self.keys, self.values
-        keys = self.codec.read(self.keys, self.positions, seen, self.recent_keys, self.head_of)
-        return keys, self.codec.read(self.values, self.positions, seen, self.recent_values, self.head_of)
+        """Every slot's key and value as numbers (`SlotStore.read`; of `seen` [b, 1, 1] tokens, the
+        one just written among them)."""
+        return self.store.read(seen)
 
     def logits(
         self, query: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, scaling: float
@@ -223,7 +169,7 @@ class LayerState:
         if self.contiguous:
             if not self.sinks:
                 return scores_of(query, keys) * scaling, keys
-            sinks = self.rotation.rotate(keys[:, :, : self.sinks], shift.expand(-1, -1, self.sinks))
+            sinks = self.rotation.roll_sinks(keys[:, :, : self.sinks], shift)
             parts = (scores_of(query, sinks), scores_of(query, keys[:, :, self.sinks :]))
             return torch.cat(parts, -1) * scaling, keys
         delta = roll_deltas(self.positions, seen, live)
@@ -284,10 +230,8 @@ class LayerState:
         scores = held_scores(query, self.keys, self.codec, self.positions, seen, self.recent_keys)
         if self.rotation is None or not self.sinks:
             return scores
-        sinks = slice(0, self.sinks)
-        keys = self.codec.read(self.keys[:, :, sinks], self.positions[:, :, sinks], seen, self.recent_keys)
-        shift = seen - (self.positions >= 0).sum(-1, keepdim=True)
-        rotated = self.rotation.rotate(keys, shift.expand(-1, -1, self.sinks))
+        keys = self.store.read_one("keys", seen, self.sinks)
+        rotated = self.rotation.roll_sinks(keys, seen - (self.positions >= 0).sum(-1, keepdim=True))
         return torch.cat([scores_of(query, rotated), scores[..., self.sinks :]], -1)
 
     def choose_next_slot(self, query, keys, values, probs, scaling: float, seen: torch.Tensor) -> None:
@@ -317,7 +261,7 @@ class LayerState:
         else:
             priority = torch.full_like(self.scores, KEEP)
         self.slot.copy_(victim(priority, held=self.positions != DEAD, free=self.positions == EMPTY))
-        put_in_slots(self.positions, self.slot, EMPTY)
+        put_in_slots(self.positions, self.slot, EMPTY)  # the chosen slot is free for the next token
 
 
 def first_free(positions: torch.Tensor, head_of: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -325,32 +269,3 @@ def first_free(positions: torch.Tensor, head_of: torch.Tensor, kv_heads: int) ->
     b = positions.shape[0]
     free = (positions == EMPTY) & (head_of == torch.arange(kv_heads, device=head_of.device).view(1, -1, 1))
     return victim(torch.full(free.shape, KEEP, device=free.device), free=free).view(b, 1, kv_heads)
-
-
-def _append_rows(buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`buffer` [n, ...] with `rows` [k, ...] after its own rows: in place where its storage has
-    room (left by rows that left), else in a new buffer with room for as many rows again, so rows
-    joining one at a time copy the batch only when it doubles, not at every join."""
-    n, k, shape = buffer.shape[0], rows.shape[0], buffer.shape[1:]
-    if buffer.untyped_storage().nbytes() < (n + k) * shape.numel() * buffer.element_size():
-        grown = buffer.new_empty((2 * (n + k), *shape))
-        grown[:n] = buffer
-        buffer = grown
-    buffer.resize_(n + k, *shape)
-    buffer[n:] = rows
-    return buffer
-
-
-def put_in_slots(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor | float) -> None:
-    """Write `new` ([b, h, 1, ...] or a number) into each row's and head's `slot` [b, h, 1] of
-    `buffer` [b, h, C, ...]. Eagerly a `scatter_` (the cheapest to launch); in a compiled step an
-    `index_put_`, which inductor writes in place, where a `scatter_` on a graph input is copied
-    whole, written and copied back (two copies of every layer's buffers a step: a third of a
-    1k-context int4 step, docs/benchmarks.md)."""
-    if not torch.compiler.is_compiling():
-        index = slot if buffer.dim() == 3 else slot.unsqueeze(-1).expand(*slot.shape, buffer.shape[3])
-        buffer.scatter_(2, index, new)
-        return
-    b, h = slot.shape[:2]
-    at = (torch.arange(b, device=slot.device).view(b, 1, 1), torch.arange(h, device=slot.device).view(1, h, 1), slot)
-    buffer.index_put_(at, new if isinstance(new, torch.Tensor) else buffer.new_full((), new))

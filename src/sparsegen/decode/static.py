@@ -47,18 +47,18 @@ class StaticKV:
         keep their addresses from step to step (a CUDA graph replays over them)."""
         if self.varying:
             for layer in self.layers:
-                for name in layer.per_row:
-                    torch._dynamo.maybe_mark_dynamic(getattr(layer, name), 0)
-                for name in layer.per_slot:
-                    torch._dynamo.maybe_mark_dynamic(getattr(layer, name), 2)
+                for tensor in _per_row(layer):
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                for name in layer.store.per_slot:
+                    torch._dynamo.maybe_mark_dynamic(getattr(layer.store, name), 2)
                 for part in PARTS:
                     torch._dynamo.maybe_mark_dynamic(getattr(layer.sizes, part), 0)
             torch._dynamo.maybe_mark_dynamic(self.seen, 0)
         if not self.seen.is_cuda:
             return
         for layer in self.layers:
-            for name in layer.per_row:
-                torch._dynamo.mark_static_address(getattr(layer, name), guard=False)
+            for tensor in _per_row(layer):
+                torch._dynamo.mark_static_address(tensor, guard=False)
         torch._dynamo.mark_static_address(self.seen, guard=False)
 
     def kv_bytes(self) -> int:
@@ -74,3 +74,8 @@ class StaticKV:
         if first.head_of is not None:  # per head, on average
             own = own // first.kv_heads
         return own if first.context is None else own + first.context.live[:, 0].sum(-1)
+
+
+def _per_row(layer: LayerState) -> list[torch.Tensor]:
+    """A layer's tensors with a row per batch row: its store's and each row's next slot."""
+    return [*(getattr(layer.store, name) for name in layer.store.per_row), layer.slot]

@@ -16,21 +16,15 @@ from sparsegen.kv import ragged
 from sparsegen.kv.evict import keep_best, priorities, update_scores, victim
 from sparsegen.kv.layer_slots import HandOver
 from sparsegen.kv.policy import Policy, Sizes, Step
-from sparsegen.kv.quantized import RESIDUAL, KVCodec, remember
+from sparsegen.kv.quantized import RESIDUAL, KVCodec
 from sparsegen.kv.rope import KeyRotation, roll_deltas
+from sparsegen.kv.store import SlotStore, store_view
 
 
 def room_for(budget: int) -> int:
     """Slots a layer that keeps every new token holds free beyond what it holds (a sixteenth, so
     its buffers stay within about 6% of its tokens' bytes; decoding past it grows them)."""
     return max(1, budget // 16)
-
-
-def gather_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """buffer [b, h, n, ...] gathered along dim 2 by index [b, h, m]."""
-    if buffer.dim() == 4:
-        index = index.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])
-    return buffer.gather(2, index)
 
 
 class PolicyLayer(HandOver, CacheLayerMixin):
@@ -41,13 +35,14 @@ class PolicyLayer(HandOver, CacheLayerMixin):
     slot in [0, size] evicted last and free for the next token. `head_of`, once a head-adaptive
     policy has compressed the prompt, tags the slots of the flattened heads (`kv.ragged`).
     With a `codec`, keys and values are held as its byte rows (`kv.quantized`) and read back in
-    `dtype`, the model's.
+    `dtype`, the model's. The tokens are held in a `kv.store.SlotStore`; keys, values, positions,
+    scores, head tags and the ring are read from it, never written from outside.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
-    _BATCHED = ("keys", "values", "positions", "scores", "hole", "sink_keys", "head_of", "recent_keys", "recent_values")
+    _BATCHED = ("hole", "sink_keys")
 
     def __init__(
         self,
@@ -59,7 +54,8 @@ class PolicyLayer(HandOver, CacheLayerMixin):
         rope: KeyRotation | None = None,
         codec: KVCodec | None = None,
     ) -> None:
-        super().__init__()
+        self.is_initialized = False  # transformers' layer fields: keys and values are the store's
+        self.store: SlotStore | None = None
         self.policy = policy
         self.codec = codec
         self.layers = layers
@@ -72,29 +68,21 @@ class PolicyLayer(HandOver, CacheLayerMixin):
         self.size = 0
         self.hole: torch.Tensor | None = None
         self.sizes: Sizes | None = None
-        self.positions: torch.Tensor | None = None
-        self.scores: torch.Tensor | None = None
         self.sink_keys: torch.Tensor | None = None
-        self.head_of: torch.Tensor | None = None
-        self.recent_keys: torch.Tensor | None = None  # with a codec: the newest tokens at full precision
-        self.recent_values: torch.Tensor | None = None
         self.kv_heads = 0
         self.check_padding = True
         self.new_tokens = 0
         self.compressed = False
 
+    # -- what the store holds, read-only -------------------------------------------------------
+    keys, values, positions, scores = (store_view(n) for n in ("keys", "values", "positions", "scores"))
+    head_of, recent_keys, recent_values = (store_view(n) for n in ("head_of", "recent_keys", "recent_values"))
+
     # -- transformers' layer interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, _ = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.kv_heads = h
-        self.keys = self._stored(key_states[:, :, :0])
-        self.values = self._stored(value_states[:, :, :0])
-        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
-        self.scores = torch.empty(b, h, 0, dtype=torch.float32, device=self.device)
-        if self.codec is not None:
-            self.recent_keys = key_states.new_zeros(b, h, RESIDUAL, key_states.shape[-1])
-            self.recent_values = value_states.new_zeros(b, h, RESIDUAL, value_states.shape[-1])
+        self.kv_heads = key_states.shape[1]
+        self.store = SlotStore.empty(key_states, value_states, self.codec)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -111,10 +99,8 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             self.sizes = self._resolve_sizes(self.cumulative_length + n - self.pinned)
         new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
         new_positions = new_positions.expand(*key_states.shape[:2], n)
-        stored_keys, stored_values = self._stored(key_states), self._stored(value_states)
-        if self.codec is not None:
-            remember(self.recent_keys, key_states, new_positions)
-            remember(self.recent_values, value_states, new_positions)
+        stored_keys, stored_values = self.store.stored(key_states), self.store.stored(value_states)
+        self.store.remember(key_states, value_states, new_positions)
         if self.head_of is not None:
             key_states, value_states = ragged.spread(key_states), ragged.spread(value_states)
             self._append(ragged.spread(stored_keys), ragged.spread(stored_values), ragged.spread(new_positions))
@@ -128,24 +114,14 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             self._append(stored_keys, stored_values, new_positions)
         self.cumulative_length += n
         self.new_tokens = n
-        keys = self._keys_for_attention(self._read(self.keys, self.recent_keys, key_states))
-        return keys, self._read(self.values, self.recent_values, value_states)
+        keys = self._keys_for_attention(self._read("keys", key_states))
+        return keys, self._read("values", value_states)
 
-    def _stored(self, states: torch.Tensor) -> torch.Tensor:
-        """Keys or values [b, h, n, d] as held: the codec's byte rows, or the numbers themselves."""
-        return states if self.codec is None else self.codec.encode(states)
-
-    def _read(self, buffer: torch.Tensor, recent: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor:
-        """The held part of `buffer` as numbers. Held in a codec, it is decoded with the newest
-        tokens read from the `recent` ring (`kv.quantized`); this call's own tokens `new`, when
-        more than the ring holds (a prompt chunk), are put back at full precision from `new`."""
-        held = buffer[:, :, : self.size]
-        if self.codec is None:
-            return held
-        head_of = None if self.head_of is None else self.head_of[:, :, : self.size]
-        positions = self.positions[:, :, : self.size]
-        held = self.codec.read(held, positions, self.cumulative_length, recent, head_of, self.dtype)
-        if new is not None and new.shape[2] > RESIDUAL:  # the new tokens are the last slots
+    def _read(self, name: str, new: torch.Tensor | None) -> torch.Tensor:
+        """The held "keys" or "values" as numbers (`SlotStore.read_one`); this call's own tokens
+        `new`, when more than a codec's ring holds (a prompt chunk), are put back at full precision."""
+        held = self.store.read_one(name, self.cumulative_length, self.size, self.dtype)
+        if self.codec is not None and new is not None and new.shape[2] > RESIDUAL:  # the new tokens are the last slots
             held[:, :, self.size - new.shape[2] :] = new
         return held
 
@@ -178,8 +154,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             if self.codec is None and self.sink_keys is None:
                 self.sink_keys = keys[:, :, :sinks].clone()
             pristine = keys[:, :, :sinks] if self.codec is not None else self.sink_keys  # rotate writes a new tensor
-            delta = torch.tensor(self.cumulative_length - self.size, device=self.device)
-            keys[:, :, :sinks] = self.rotation.rotate(pristine, delta)
+            keys[:, :, :sinks] = self.rotation.roll_sinks(pristine, self.cumulative_length - self.size)
         return keys
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -194,7 +169,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.scores = self.hole = self.sink_keys = self.head_of = None
+        self.store = self.hole = self.sink_keys = None
         self.is_initialized = False
         self.cumulative_length = self.size = 0
         self.sizes = None
@@ -217,21 +192,20 @@ class PolicyLayer(HandOver, CacheLayerMixin):
 
     def _map_rows(self, rows) -> None:
         """Replace each per-row tensor by `rows(tensor)` (rows selected, repeated)."""
-        for name in self._BATCHED if self.is_initialized else ():
+        if not self.is_initialized:
+            return
+        self.store.map_rows(rows)
+        for name in self._BATCHED:
             if getattr(self, name) is not None:
                 setattr(self, name, rows(getattr(self, name)))
 
     # -- policy mechanics -------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.store.capacity
 
     def _fill_hole(self, key_states, value_states, new_positions) -> None:
-        index = self.hole
-        self.keys.scatter_(2, index.unsqueeze(-1).expand_as(key_states), key_states)
-        self.values.scatter_(2, index.unsqueeze(-1).expand_as(value_states), value_states)
-        self.positions.scatter_(2, index, new_positions)
-        self.scores.scatter_(2, index, 0.0)
+        self.store.put(self.hole, key_states, value_states, new_positions)
         self.hole = None
         self.size += 1
 
@@ -244,15 +218,8 @@ class PolicyLayer(HandOver, CacheLayerMixin):
 
     def _keep(self, index: torch.Tensor, capacity: int) -> None:
         """Keep the slots `index` [b, h, m], compacted into new buffers of `capacity` slots."""
-        kept = index.shape[-1]
-        for name in ("keys", "values", "positions", "scores", "head_of"):
-            old = getattr(self, name)
-            if old is None:
-                continue
-            new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
-            new[:, :, :kept] = gather_slots(old, index)
-            setattr(self, name, new)
-        self.size = kept
+        self.store.keep(index, capacity)
+        self.size = index.shape[-1]
 
     def _append(self, key_states, value_states, new_positions) -> None:
         n, size = key_states.shape[-2], self.size
@@ -262,11 +229,8 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             else:
                 limit = self.sizes.budget + 1 if self.sizes is not None else float("inf")
                 grown = int(max(size + n, min(limit, max(2 * self.capacity, 64))))
-            self._keep(torch.arange(size, device=self.device).expand(*key_states.shape[:2], -1), grown)
-        self.keys[:, :, size : size + n] = key_states
-        self.values[:, :, size : size + n] = value_states
-        self.positions[:, :, size : size + n] = new_positions
-        self.scores[:, :, size : size + n] = 0.0
+            self.store.grow(grown)
+        self.store.write(size, key_states, value_states, new_positions)
         self.size = size + n
 
     def after_attention(
@@ -294,7 +258,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
         step = Step(
             positions=self.positions[:, :, held],
             keys=keys,
-            values=self._read(self.values, self.recent_values, None) if values is None else values,
+            values=self._read("values", None) if values is None else values,
             scores=self.scores[:, :, held],
             query=query,
             scaling=scaling,
@@ -325,17 +289,14 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             self._keep(keep_best(priority, budget), budget + room_for(budget) if self.compressed else budget + 1)
 
     def held_slots(self) -> dict[str, torch.Tensor]:
-        """The held part of the per-slot buffers, by name."""
-        return {name: getattr(self, name)[:, :, : self.size] for name in ("keys", "values", "positions", "scores")}
+        """The held part of the per-slot buffers (with `head_of` where heads are held flat), by name."""
+        return self.store.tensors(self.size)
 
     def hold_packed(self, packed: dict[str, torch.Tensor]) -> None:
         """Hold `ragged.pack`'s flat slots from now on, with room for new tokens (one slot per head each)."""
         total = packed["head_of"].shape[-1]
-        room = self.kv_heads * room_for(total // self.kv_heads)
-        for name, tensor in packed.items():
-            buffer = tensor.new_zeros(*tensor.shape[:2], total + room, *tensor.shape[3:])
-            buffer[:, :, :total] = tensor
-            setattr(self, name, buffer)
+        self.store = SlotStore(**packed, codec=self.codec, **self.store.ring(), kv_heads=self.kv_heads)
+        self.store.grow(total + self.kv_heads * room_for(total // self.kv_heads))
         self.size = total
 
     def own_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):

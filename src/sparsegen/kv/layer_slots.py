@@ -10,10 +10,7 @@ import torch
 
 from sparsegen.kv import ragged
 from sparsegen.kv.policy import Sizes
-
-EMPTY = -1
-"""The position of a free slot in what a layer hands over (`hand_over`, `kv.slots.HeldSlots`, the
-fast path's buffers)."""
+from sparsegen.kv.store import EMPTY, RING, TOKENS, SlotStore
 
 
 class HandOver:
@@ -55,14 +52,13 @@ class HandOver:
         live = held["positions"][0] >= 0
         self.kv_heads, self.dtype, self.device = kv_heads, dtype, held["keys"].device
         self.is_initialized, self.cumulative_length, self.check_padding = True, seen, False
-        self.sizes, self.compressed, (self.recent_keys, self.recent_values) = sizes, compressed, ring
+        self.sizes, self.compressed = sizes, compressed
+        tokens = {name: held[name] for name in TOKENS}
+        self.store = SlotStore(**tokens, codec=self.codec, **dict(zip(RING, ring, strict=True)), kv_heads=kv_heads)
         counts = live.sum(-1)
         if "head_of" in held:  # held flat: the live slots in their order
             self.hold_packed({name: t[:, :, live[0].nonzero()[:, 0]] for name, t in held.items()})
         elif bool((counts != counts[0]).any()):
-            self.hold_packed(ragged.pack(held, live[None]))
+            self.hold_packed(ragged.pack(tokens, live[None]))
         else:
-            self.keys, self.values, self.positions, self.scores = (
-                held[n] for n in ("keys", "values", "positions", "scores")
-            )
             self._keep((~live).to(torch.uint8).argsort(dim=-1, stable=True)[None, :, : int(counts[0])], int(counts[0]))

@@ -10,6 +10,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import Policy, Sizes
 from sparsegen.kv.spec import KVSpec
+from sparsegen.kv.store import SlotStore
 
 
 class PolicyCache(Cache):
@@ -77,22 +78,9 @@ class PolicyCache(Cache):
 
 
 _SLIDING_STATE = ("keys", "values", "cumulative_length", "is_initialized")
-_POLICY_STATE = (
-    "keys",
-    "values",
-    "positions",
-    "scores",
-    "hole",
-    "sink_keys",
-    "head_of",
-    "recent_keys",
-    "recent_values",
-    "kv_heads",
-    "cumulative_length",
-    "size",
-    "check_padding",
-    "new_tokens",
-    "compressed",
+_STORE_STATE = ("keys", "values", "positions", "scores", "head_of", "recent_keys", "recent_values")
+_LAYER_STATE = (
+    *("hole", "sink_keys", "kv_heads", "cumulative_length", "size", "check_padding", "new_tokens", "compressed"),
     "is_initialized",
 )
 
@@ -101,7 +89,8 @@ def _layer_state(layer: CacheLayerMixin) -> dict:
     """Tensors and plain values only: loads with `torch.load(weights_only=True)`."""
     if not isinstance(layer, PolicyLayer):  # transformers' sliding layer
         return {name: getattr(layer, name, None) for name in _SLIDING_STATE}
-    state = {name: getattr(layer, name, None) for name in _POLICY_STATE}
+    held = dict.fromkeys(_STORE_STATE) if layer.store is None else layer.store.state()
+    state = {**held, **{name: getattr(layer, name) for name in _LAYER_STATE}}
     state["sizes"] = None if layer.sizes is None else [layer.sizes.sinks, layer.sizes.heavy, layer.sizes.recent]
     state["dtype"] = str(getattr(layer, "dtype", torch.float32)).removeprefix("torch.")
     state["kv_bits"] = None if layer.codec is None else layer.codec.bits
@@ -120,8 +109,10 @@ def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
     wanted = (None, False) if layer.codec is None else (layer.codec.bits, layer.codec.rotated)
     if held != wanted:
         raise SparsegenError(f"this checkpoint holds KV in {_bits(*held)}, this cache in {_bits(*wanted)}")
-    for name in _POLICY_STATE:
-        setattr(layer, name, state.get(name))  # the ring is absent from checkpoints that predate it
+    tokens = {name: state.get(name) for name in _STORE_STATE}  # the ring is absent from checkpoints that predate it
+    layer.store = None if tokens["keys"] is None else SlotStore(**tokens, codec=layer.codec, kv_heads=state["kv_heads"])
+    for name in _LAYER_STATE:
+        setattr(layer, name, state.get(name))
     layer.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
     layer.awaiting_attention = False
     if layer.keys is not None:

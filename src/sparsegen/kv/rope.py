@@ -60,6 +60,14 @@ class KeyRotation:
         rotated = (rot * cos + rotate_half(rot) * sin).to(keys.dtype)
         return torch.cat((rotated, rest), -1) if rest.shape[-1] else rotated
 
+    def roll_sinks(self, keys: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
+        """A contiguous policy's sinks `keys` [b, h, s, d] moved by `shift` (an int, or [b, h, 1]):
+        the tokens seen beyond those held. Such a policy holds the sinks and a run of the newest
+        tokens, which keeps its own positions: `roll_deltas` of that layout, without ranking slots."""
+        if isinstance(shift, int):
+            return self.rotate(keys, torch.tensor(shift, device=keys.device))
+        return self.rotate(keys, shift.expand(-1, -1, keys.shape[2]))
+
     def roll(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """`keys` [b, h, n, d] with those whose `delta` (`roll_deltas`) is not zero rotated by it:
         a copy (the stored keys never change), or `keys` themselves where none moves."""
