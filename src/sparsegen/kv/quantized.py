@@ -42,7 +42,7 @@ CLIPS = {8: (1.0,), 4: (1.0,), 3: (1.0,), 2: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0
 """Per width, the shares of a group's range (about its middle) tried as its rounding range, the
 one leaving the least squared error kept (within `CLIP_TOLERANCE`). At 2 bits a group's extremes
 stretch its 4 levels far apart, and clipping them pays: on SmolLM2 (1,024 tokens, rotated, full
-cache) +39% perplexity against fp32 KV fell to +6.6% on Milton, +53% to +16% on Paul Graham's
+cache) +39% perplexity against fp32 KV fell to +7.5% on Milton, +53% to +15% on Paul Graham's
 essays (docs/benchmarks.md). At 3 and 4 bits it did not: clipping to 0.9 helped on Milton and hurt
 on the essays (int3 +2.7% -> +4.4%), so those widths keep min-max."""
 CLIP_TOLERANCE = 1e-3
