@@ -9,7 +9,7 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.footprint import kv_bytes_per_token, kv_ring_bytes
-from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
+from sparsegen.kv.policy_cache import layer_state, load_layer_state
 from sparsegen.kv.quantized import BITS, CLIPS, RESIDUAL, KVCodec
 from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
@@ -175,10 +175,10 @@ def test_a_held_conversation_continues_in_its_bits_and_checkpoints_round_trip():
     assert first.tokens[0] + rest.tokens[0] == whole.tokens[0]
     copy = make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4))
     for layer, source in zip(copy.layers, held.layers, strict=True):
-        _load_layer_state(layer, _layer_state(source))
+        load_layer_state(layer, layer_state(source))
     assert copy.kv_bytes() == held.kv_bytes()
     with pytest.raises(SparsegenError, match="bits"):
-        _load_layer_state(make_cache(model, KVSpec.of("h2o", budget=12)).layers[0], _layer_state(held.layers[0]))
+        load_layer_state(make_cache(model, KVSpec.of("h2o", budget=12)).layers[0], layer_state(held.layers[0]))
 
 
 def test_compiled_step_in_4_bits_equals_the_eager_one():

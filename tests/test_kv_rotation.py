@@ -149,16 +149,16 @@ def test_compiled_step_in_rotated_3_bits_equals_the_eager_one():
 def test_a_checkpoint_loads_only_into_a_cache_of_the_same_rotation():
     import dataclasses
 
-    from sparsegen.kv.policy_cache import _layer_state, _load_layer_state
+    from sparsegen.kv.policy_cache import layer_state, load_layer_state
 
     model = build_tiny("llama")
     cache = make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4))
     with policy_attention(model), torch.inference_mode():
         model(_prompt(20), cache=cache)
-    state = _layer_state(cache.layers[0])
+    state = layer_state(cache.layers[0])
     assert state["kv_rotated"] is True
     plain = make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4)).layers[0]
     plain.codec = dataclasses.replace(plain.codec, rotated=False)
     with pytest.raises(SparsegenError, match="4 bits, rotated, this cache in 4 bits$"):
-        _load_layer_state(plain, state)
-    _load_layer_state(make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4)).layers[0], state)
+        load_layer_state(plain, state)
+    load_layer_state(make_cache(model, KVSpec.of("h2o", budget=12, kv_bits=4)).layers[0], state)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparsegen.kv.attention import policy_attention
-from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
+from sparsegen.kv.policy_cache import PolicyCache, layer_state, load_layer_state
 
 
 @torch.inference_mode()
@@ -24,7 +24,7 @@ def reconstruct(
     context."""
     layers = record.layers
     calls = [getattr(layer, "recorded", None) for layer in layers]
-    saved = [_layer_state(layer) for layer in layers]
+    saved = [layer_state(layer) for layer in layers]
     b, n = rows.shape
     peaks = [
         None if call is None else call.keys.new_zeros(b, call.keys.shape[1], n, dtype=torch.float32) for call in calls
@@ -40,7 +40,7 @@ def reconstruct(
                     if peak is not None:
                         peak[..., start:stop] = layer.peak[..., start:stop]
                 for layer, state in zip(layers, saved, strict=True):
-                    _load_layer_state(layer, state)
+                    load_layer_state(layer, state)
     finally:
         for layer, call in probing:
             layer.probing, layer.peak, layer.recorded = False, None, call

@@ -22,7 +22,7 @@ from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
 from sparsegen.kv.kvzip import attention_and_peaks
 from sparsegen.kv.policy import Policy
-from sparsegen.kv.policy_cache import PolicyCache, _layer_state, _load_layer_state
+from sparsegen.kv.policy_cache import PolicyCache, layer_state, load_layer_state
 from sparsegen.kv.spec import KVSpec
 
 
@@ -92,7 +92,7 @@ class SharedPrefill:
                 keys, values = layer.update(call.keys, call.values)
                 layer.after_attention(call.query, keys, call.scaling, call.weights, call.received, peak, values)
             else:  # a sliding-window layer (Gemma 3) keeps its own window (replaced, never written in place)
-                _load_layer_state(layer, _layer_state(source))
+                load_layer_state(layer, layer_state(source))
 
     def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `index`'s context keys and values [h, S, d] as every policy's cache holds them

@@ -1,7 +1,8 @@
-"""How a policy cache layer hands its slots over to the fast path and takes them back (`kv.slots`).
+"""How a policy cache layer hands its slots over to the fast path and takes them back (`kv.slots`),
+and saves and restores them (checkpoints that resume a stream, `kv.policy_cache`).
 
-A mixin of `kv.cache.PolicyLayer`: the layer itself reads and writes its buffers, the hand-over
-(`kv.slots`) only asks it.
+A mixin of `kv.cache.PolicyLayer`: the layer itself reads and writes its store, the hand-over and
+the checkpoint only ask it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ import torch
 from sparsegen.kv import ragged
 from sparsegen.kv.policy import Sizes
 from sparsegen.kv.store import EMPTY, RING, TOKENS, SlotStore
+
+_STORE_STATE = ("keys", "values", "positions", "scores", "head_of", "recent_keys", "recent_values")
+_LAYER_STATE = (
+    *("hole", "sink_keys", "kv_heads", "cumulative_length", "size", "check_padding", "new_tokens", "compressed"),
+    "is_initialized",
+)
 
 
 class HandOver:
@@ -62,3 +69,27 @@ class HandOver:
             self.hold_packed(ragged.pack(tokens, live[None]))
         else:
             self._keep((~live).to(torch.uint8).argsort(dim=-1, stable=True)[None, :, : int(counts[0])], int(counts[0]))
+
+    def checkpoint(self) -> dict:
+        """The layer's state: tensors and plain values only (loads with `torch.load(weights_only=True)`)."""
+        held = dict.fromkeys(_STORE_STATE) if self.store is None else self.store.state()
+        state = {**held, **{name: getattr(self, name) for name in _LAYER_STATE}}
+        state["sizes"] = None if self.sizes is None else [self.sizes.sinks, self.sizes.heavy, self.sizes.recent]
+        state["dtype"] = str(getattr(self, "dtype", torch.float32)).removeprefix("torch.")
+        state["kv_bits"] = None if self.codec is None else self.codec.bits
+        state["kv_rotated"] = self.codec is not None and self.codec.rotated
+        return state
+
+    def restore(self, state: dict) -> None:
+        """Hold what `checkpoint` saved (its codec checked by the caller)."""
+        tokens = {name: state.get(name) for name in _STORE_STATE}  # no ring in checkpoints that predate it
+        self.store = (
+            None if tokens["keys"] is None else SlotStore(**tokens, codec=self.codec, kv_heads=state["kv_heads"])
+        )
+        for name in _LAYER_STATE:
+            setattr(self, name, state.get(name))
+        self.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
+        self.awaiting_attention = False
+        if self.keys is not None:
+            self.dtype = getattr(torch, state["dtype"]) if "dtype" in state else self.keys.dtype
+            self.device = self.keys.device

@@ -3,14 +3,12 @@ sliding-window layers beside them (Gemma 3); held sizes, bytes, and checkpoints.
 
 from __future__ import annotations
 
-import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.policy import Policy, Sizes
+from sparsegen.kv.policy import Policy
 from sparsegen.kv.spec import KVSpec
-from sparsegen.kv.store import SlotStore
 
 
 class PolicyCache(Cache):
@@ -62,13 +60,13 @@ class PolicyCache(Cache):
 
     def state_dict(self) -> dict:
         """Every layer's state (tensors and plain values), for checkpoints that resume a stream."""
-        return {"policy": self.policy.describe(), "layers": [_layer_state(layer) for layer in self.layers]}
+        return {"policy": self.policy.describe(), "layers": [layer_state(layer) for layer in self.layers]}
 
     def load_state_dict(self, state: dict) -> None:
         if state["policy"] != self.policy.describe() or len(state["layers"]) != len(self.layers):
             raise SparsegenError(f"this checkpoint is of {state['policy']}, not of {self.policy.describe()}")
         for layer, saved in zip(self.layers, state["layers"], strict=True):
-            _load_layer_state(layer, saved)
+            load_layer_state(layer, saved)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise SparsegenError("a policy cache cannot be cropped (assisted/speculative decoding is not supported)")
@@ -78,27 +76,17 @@ class PolicyCache(Cache):
 
 
 _SLIDING_STATE = ("keys", "values", "cumulative_length", "is_initialized")
-_STORE_STATE = ("keys", "values", "positions", "scores", "head_of", "recent_keys", "recent_values")
-_LAYER_STATE = (
-    *("hole", "sink_keys", "kv_heads", "cumulative_length", "size", "check_padding", "new_tokens", "compressed"),
-    "is_initialized",
-)
 
 
-def _layer_state(layer: CacheLayerMixin) -> dict:
+def layer_state(layer: CacheLayerMixin) -> dict:
     """Tensors and plain values only: loads with `torch.load(weights_only=True)`."""
-    if not isinstance(layer, PolicyLayer):  # transformers' sliding layer
-        return {name: getattr(layer, name, None) for name in _SLIDING_STATE}
-    held = dict.fromkeys(_STORE_STATE) if layer.store is None else layer.store.state()
-    state = {**held, **{name: getattr(layer, name) for name in _LAYER_STATE}}
-    state["sizes"] = None if layer.sizes is None else [layer.sizes.sinks, layer.sizes.heavy, layer.sizes.recent]
-    state["dtype"] = str(getattr(layer, "dtype", torch.float32)).removeprefix("torch.")
-    state["kv_bits"] = None if layer.codec is None else layer.codec.bits
-    state["kv_rotated"] = layer.codec is not None and layer.codec.rotated
-    return state
+    if isinstance(layer, PolicyLayer):
+        return layer.checkpoint()
+    return {name: getattr(layer, name, None) for name in _SLIDING_STATE}  # transformers' sliding layer
 
 
-def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
+def load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
+    """Let `layer` hold what `layer_state` saved; a policy layer's KV bits must be the checkpoint's."""
     if not isinstance(layer, PolicyLayer):
         for name in _SLIDING_STATE:
             setattr(layer, name, state[name])
@@ -109,15 +97,7 @@ def _load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
     wanted = (None, False) if layer.codec is None else (layer.codec.bits, layer.codec.rotated)
     if held != wanted:
         raise SparsegenError(f"this checkpoint holds KV in {_bits(*held)}, this cache in {_bits(*wanted)}")
-    tokens = {name: state.get(name) for name in _STORE_STATE}  # the ring is absent from checkpoints that predate it
-    layer.store = None if tokens["keys"] is None else SlotStore(**tokens, codec=layer.codec, kv_heads=state["kv_heads"])
-    for name in _LAYER_STATE:
-        setattr(layer, name, state.get(name))
-    layer.sizes = None if state["sizes"] is None else Sizes(*state["sizes"])
-    layer.awaiting_attention = False
-    if layer.keys is not None:
-        layer.dtype = getattr(torch, state["dtype"]) if "dtype" in state else layer.keys.dtype
-        layer.device = layer.keys.device
+    layer.restore(state)
 
 
 def _bits(bits: int | None, rotated: bool) -> str:
