@@ -165,11 +165,10 @@ class LayerState:
         if self.rotation is None:
             return scores_of(query, keys) * scaling, keys
         live = self.positions >= 0
-        shift = seen - live.sum(-1, keepdim=True)
         if self.contiguous:
             if not self.sinks:
                 return scores_of(query, keys) * scaling, keys
-            sinks = self.rotation.roll_sinks(keys[:, :, : self.sinks], shift)
+            sinks = self.rotation.roll_sinks(keys[:, :, : self.sinks], seen - live.sum(-1, keepdim=True))
             parts = (scores_of(query, sinks), scores_of(query, keys[:, :, self.sinks :]))
             return torch.cat(parts, -1) * scaling, keys
         delta = roll_deltas(self.positions, seen, live)
