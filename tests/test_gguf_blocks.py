@@ -110,6 +110,36 @@ def test_layer_runs_the_kernel_and_its_weight_is_gguf_decoded(qtype):
     assert layer(x).shape == (2, 3, 16)
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_the_kernels_decoder_equals_ggufs_own(qtype):
+    blocks = random_blocks(qtype, 12, 512, seed=5)
+    decoded = torch.from_numpy(dequantize(blocks, qtype).reshape(12, 512).astype(np.float32))
+    ours = {dtype: torch.ops.sparsegen.gguf_weight(torch.from_numpy(blocks), int(qtype), 512, dtype)
+            for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
+    torch.testing.assert_close(ours[torch.float32], decoded, rtol=2e-7, atol=0)  # the same products, at most an ulp
+    assert torch.equal(ours[torch.bfloat16], ours[torch.float32].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("flag", ["avx512_bf16", None])
+def test_a_prompt_multiplies_the_blocks_decoded_to_bf16_where_the_cpu_computes_bf16(monkeypatch, flag):
+    monkeypatch.setattr(gguf_blocks, "cpu_bf16_flag", lambda: flag)
+    qtype, inputs = GGMLQuantizationType.Q4_K, 512
+    blocks = random_blocks(qtype, 24, inputs, seed=9)
+    layer = GGUFLinear(torch.from_numpy(blocks), qtype, inputs)
+    x = torch.randn(gguf_blocks.BF16_ABOVE_ROWS + 9, inputs, generator=torch.Generator().manual_seed(4))
+    weight = torch.from_numpy(dequantize(blocks, qtype).reshape(24, inputs).astype(np.float32))
+    got, few = layer(x), layer(x[: gguf_blocks.BF16_ABOVE_ROWS])
+    assert torch.equal(few, kernel(x[: gguf_blocks.BF16_ABOVE_ROWS].contiguous(), blocks, qtype))  # few rows: dots
+    if flag is None:  # no native bf16: the integer dots at any row count, as before
+        assert torch.equal(got, kernel(x, blocks, qtype))
+        return
+    expected = x.to(torch.bfloat16).double() @ weight.to(torch.bfloat16).double().T  # bf16 inputs, exact sums
+    bound = x.to(torch.bfloat16).double().abs() @ weight.to(torch.bfloat16).double().abs().T
+    error = (got.double() - expected).abs()  # fp32 sums, each output rounded to bf16 (half an ulp: <= 2^-8)
+    assert torch.all(error <= 2**-8 * expected.abs() + 1e-5 * bound), error.max()
+    assert not torch.equal(got, kernel(x, blocks, qtype))  # not the integer dots
+
+
 def test_the_layer_refuses_what_it_cannot_run():
     with pytest.raises(SparsegenError, match="no block kernel"):
         GGUFLinear(torch.zeros(4, 18, dtype=torch.uint8), GGMLQuantizationType.Q2_K, 32)

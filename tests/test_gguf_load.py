@@ -275,7 +275,7 @@ REAL_QWEN = "qwen2.5-coder-1.5b"
 def test_real_default_model_blocks_match_its_float_conversion(exact):
     """SmolLM2's Q4_1 blocks decode to the fp32 folder transformers converted from the same file."""
     blocks, tokenizer = sparsegen.load("smollm2-135m", gguf_blocks=True, device="cpu")
-    floats, _ = sparsegen.load("smollm2-135m", device="cpu")
+    floats, _ = sparsegen.load("smollm2-135m", dtype=torch.float32, device="cpu")
     assert isinstance(blocks.model.layers[0].self_attn.q_proj, GGUFLinear)
     assert blocks.model.layers[0].self_attn.q_proj.qtype == Q.Q4_1
     ids = tokenizer("The capital of France is", return_tensors="pt")

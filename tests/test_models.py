@@ -97,7 +97,7 @@ def test_real_model_answers_paris_and_reloads_fast(real):
     out = model.generate(**encoded, max_new_tokens=20, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, encoded["input_ids"].shape[1] :])
     start = time.perf_counter()
-    again, _ = sparsegen.load("smollm2-135m")
+    again, _ = sparsegen.load("smollm2-135m", dtype=torch.float32)  # as `real` loads it
     assert time.perf_counter() - start < 5
     assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
@@ -106,7 +106,7 @@ def test_a_device_is_chosen_and_checked():
     from sparsegen.models import default_dtype, model_device, pick_device
 
     assert pick_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert pick_device("cpu") == torch.device("cpu") and default_dtype(torch.device("cpu")) == torch.float32
+    assert pick_device("cpu") == torch.device("cpu")
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
     with pytest.raises(SparsegenError, match="use cpu, cuda or cuda:N"):
         pick_device("gpu")
@@ -117,6 +117,32 @@ def test_a_device_is_chosen_and_checked():
     assert model_device(model) == torch.device("cpu")  # nothing materialized: where it would be built
 
 
+@pytest.mark.parametrize("flags, dtype", [("fpu avx2 fma", torch.float32), ("avx2 avx512f avx512_bf16", torch.bfloat16),
+                                          ("avx512f amx_tile amx_bf16", torch.bfloat16)])  # fmt: skip
+def test_a_cpu_runs_bf16_by_default_where_its_flags_say_it_computes_bf16(monkeypatch, tmp_path, flags, dtype):
+    from sparsegen import models
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    real_open = open
+
+    def reading(path, *args, **kwargs):
+        return real_open(info if path == "/proc/cpuinfo" else path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", reading)
+    models.cpu_flags.cache_clear()
+    try:
+        assert models.default_dtype(torch.device("cpu")) == dtype
+        assert models.default_dtype(torch.device("cpu"), changing_weights=True) == torch.float32  # calibrate in fp32
+        assert models.default_dtype(torch.device("cuda"), changing_weights=True) == torch.bfloat16
+    finally:
+        models.cpu_flags.cache_clear()
+
+
 def test_a_model_loads_on_the_device_asked_in_its_default_dtype(tiny_folder):
+    from sparsegen.models import cpu_bf16_flag
+
     model, _ = sparsegen.load(str(tiny_folder), device="cpu")
-    assert {p.device.type for p in model.parameters()} == {"cpu"} and model.dtype == torch.float32
+    native = torch.bfloat16 if cpu_bf16_flag() else torch.float32  # bf16 where this CPU computes it natively
+    assert {p.device.type for p in model.parameters()} == {"cpu"} and model.dtype == native
+    assert sparsegen.load(str(tiny_folder), device="cpu", packed=False)[0].dtype == torch.float32  # to be changed

@@ -3,7 +3,7 @@ itself runs llama.cpp and vLLM for minutes: `docs/benchmarks.md`)."""
 
 from pathlib import Path
 
-from sparsegen.bench.peers.envs import PeerEnv, _name_vllm_cpu, peer_python
+from sparsegen.bench.peers.envs import LLAMA_CPP, VLLM_CPU, PeerEnv, _name_vllm_cpu, build_env, peer_python
 from sparsegen.bench.peers.run import _leading_equal, _median_round
 
 
@@ -42,6 +42,13 @@ def test_vllm_cpu_is_given_the_record_vllm_looks_itself_up_by(tmp_path, monkeypa
     assert (named / "RECORD").read_text() == "" and (record / "RECORD").read_text() != ""
 
 
+def test_llama_cpp_builds_natively_except_on_amx_cpus_where_amx_is_left_out():
+    assert build_env(LLAMA_CPP, frozenset({"avx2", "avx512f", "avx512_bf16"})) == {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+    amx = build_env(LLAMA_CPP, frozenset({"avx512f", "amx_tile", "amx_bf16"}))["CMAKE_ARGS"].split()
+    assert "-DGGML_NATIVE=OFF" in amx and "-DGGML_AVX512=ON" in amx and not any("AMX" in arg for arg in amx)
+    assert build_env(VLLM_CPU, frozenset({"amx_tile"})) == {}
+
+
 def test_answers_agree_up_to_their_first_difference():
     assert _leading_equal([1, 2, 3, 4], [1, 2, 9, 4]) == 2
     assert _leading_equal([1, 2, 3], [1, 2, 3]) == 3
@@ -61,33 +68,42 @@ def test_serving_points_alternate_the_servers_and_show_each_at_its_median_round(
 
     model, tokenizer = build_tiny("llama"), tiny_tokenizer()
     monkeypatch.setattr("sparsegen.loading.load", lambda *args, **kwargs: (model, tokenizer))
-    speeds, calls = iter([10, 30, 20, 25, 15, 35, 40, 5, 8, 9, 7, 6]), []
+    # calls: for 1 then 2 clients, rounds of (sparsegen, vLLM default, vLLM fp32), every other round reversed
+    speeds = iter([10, 30, 50, 60, 25, 20, 15, 35, 55, 40, 5, 3, 4, 9, 8, 7, 6, 2])
+    calls, default = [], "vLLM-CPU, its default dtype"
 
     def server(name):
         def measure(*args, prompts, clients, requests, max_tokens, **kwargs):
             calls.append((name, clients))
             ended = sorted(range(len(prompts)), key=lambda i: (i * len(calls)) % 5)  # each round its own order
-            answers = [(i, "other" if (name, clients, len(calls), i) == ("vLLM-CPU", 2, 10, 3) else f"answer {i}")
+            answers = [(i, "other" if (name, clients, len(calls), i) == (default, 2, 14, 3) else f"answer {i}")
                        for i in ended]  # fmt: skip
             return {"tokens_per_s": next(speeds), "answers": answers}
 
         return measure
 
+    def vllm(*args, dtype, **kwargs):
+        return server(default if dtype is None else f"vLLM-CPU {dtype}")(*args, **kwargs)
+
     monkeypatch.setattr(peers, "measure_point", server("sparsegen serve"))
-    monkeypatch.setattr(peers, "_vllm_point", server("vLLM-CPU"))
+    monkeypatch.setattr(peers, "_vllm_point", vllm)
     monkeypatch.setattr(peers, "peer_python", lambda *args: (Path("python"), ""))
     monkeypatch.setattr(peers, "single_request_answers", lambda *args: {i: f"answer {i}" for i in range(4)})
     out = peers._serve_rows("tiny", "shakespeare", 2, (4, 6), 3, 2, 1, False, lambda _: None, 3)
-    assert calls == [("sparsegen serve", 1), ("vLLM-CPU", 1)] * 3 + [("sparsegen serve", 2), ("vLLM-CPU", 2)] * 3
+    order = [("sparsegen serve", 1), (default, 1), ("vLLM-CPU float32", 1)]
+    two = [(name, 2) for name, _ in order]
+    assert calls == order + order[::-1] + order + two + two[::-1] + two
     shown = [(r["server"], r["clients"], r["tokens_per_s"], r["tokens_per_s_rounds"]) for r in out["rows"]]
     assert shown == [
         ("sparsegen serve", 1, 15, "10.00-20.00"),
         ("sparsegen serve", 2, 8, "7.00-40.00"),
-        ("vLLM-CPU", 1, 30, "25.00-35.00"),
-        ("vLLM-CPU", 2, 6, "5.00-9.00"),
+        (default, 1, 30, "25.00-35.00"),
+        (default, 2, 6, "5.00-9.00"),
+        ("vLLM-CPU fp32", 1, 55, "50.00-60.00"),
+        ("vLLM-CPU fp32", 2, 3, "2.00-4.00"),
     ]
     assert all(r["same_as_alone"] == "4/4" and r["same_as_sparsegen"] == "4/4" for r in out["rows"])
-    assert out["notes"] == ["vLLM-CPU with 2 clients answered differently in different rounds"]
+    assert out["notes"] == [f"{default} with 2 clients answered differently in different rounds"]
 
 
 def test_gguf_agreement_counts_equal_choices_and_each_perplexity():

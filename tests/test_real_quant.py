@@ -27,7 +27,7 @@ def test_quantization_quality_ordering_on_smollm2(real):
     held_out = tokenize_long(tokenizer, text[-300_000:])
     ppl = {}
     for label, bits, method in (("int8", 8, "rtn"), ("rtn4", 4, "rtn"), ("gptq4", 4, "gptq")):
-        model, _ = sparsegen.load()
+        model, _ = sparsegen.load(dtype=torch.float32)
         quantize(model, method, bits, 128, calibration=calibration, progress=False)
         ppl[label] = windowed_ppl(model, held_out, seqlen=256, max_windows=4, progress=False).ppl
     ppl["dense"] = windowed_ppl(real[0], held_out, seqlen=256, max_windows=4, progress=False).ppl
@@ -36,7 +36,7 @@ def test_quantization_quality_ordering_on_smollm2(real):
 
 
 def test_pruned_and_quantized_checkpoint_reloads_exactly(real, tmp_path):
-    model, tokenizer = sparsegen.load()
+    model, tokenizer = sparsegen.load(dtype=torch.float32)
     calibration = calibration_samples(tokenizer, load_text("shakespeare")[:500_000], n_samples=2, seqlen=128, seed=0)
     prune(model, "wanda", 0.5, calibration=calibration, progress=False)
     report = quantize(model, "rtn", 4, 128, progress=False)

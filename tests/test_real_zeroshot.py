@@ -4,6 +4,7 @@ import json
 
 import lm_eval
 import pytest
+import torch
 from lm_eval.models.huggingface import HFLM
 from test_cli import run_cli
 
@@ -31,7 +32,7 @@ def test_dense_accuracy_equals_lm_evals_transformers_backend(real):
 
 
 def test_a_pruned_checkpoint_and_an_h2o_cache_run_through_simple_evaluate_and_the_cli(monkeypatch, capsys, tmp_path):
-    model, tokenizer = sparsegen.load()
+    model, tokenizer = sparsegen.load(dtype=torch.float32)
     report = prune(model, "magnitude", 0.5, progress=False)
     save_pruned(model, tokenizer, tmp_path / "pruned", report, compressed=True)
     pruned = _evaluate("sparsegen", model_args=f"model={tmp_path / 'pruned'},batch_size=4")

@@ -46,7 +46,7 @@ def _state(folder):
 def test_pruning_from_disk_equals_pruning_in_memory(arch, method, tmp_path):
     folder = _saved(arch, tmp_path)
     assert len(list(folder.glob("model*.safetensors"))) > 2
-    model, tokenizer = load(str(folder))
+    model, tokenizer = load(str(folder), dtype=torch.float32)
     report = prune(model, method, 0.5, calibration=_calibration(), progress=False)
     save_pruned(model, tokenizer, tmp_path / "memory", report)
 
@@ -59,7 +59,7 @@ def test_pruning_from_disk_equals_pruning_in_memory(arch, method, tmp_path):
     assert memory.keys() == disk.keys()
     for name in memory:
         assert torch.equal(memory[name], disk[name]), name
-    reloaded, _ = load(str(tmp_path / "disk"))
+    reloaded, _ = load(str(tmp_path / "disk"), dtype=torch.float32)
     ids = _calibration(1, 16, seed=3)
     assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
@@ -92,7 +92,7 @@ def test_a_killed_run_resumes_at_the_first_unwritten_block(tmp_path, monkeypatch
     blocks.finish()
     assert len(rewritten) == 7  # one block of seven Linears was left to prune
 
-    model, tokenizer = load(str(folder))
+    model, tokenizer = load(str(folder), dtype=torch.float32)
     monkeypatch.undo()
     prune(model, "sparsegpt", 0.5, calibration=_calibration(), progress=False)
     for name, tensor in _state(tmp_path / "out").items():
@@ -123,15 +123,15 @@ def test_quantizing_from_disk_writes_the_checkpoint_save_quantized_writes(method
     for name in memory:
         assert torch.equal(memory[name], disk[name]), name
     ids = _calibration(1, 16, seed=3)
-    first, _ = load(str(tmp_path / "memory"))
-    second, _ = load(str(tmp_path / "disk"))
+    first, _ = load(str(tmp_path / "memory"), dtype=torch.float32)
+    second, _ = load(str(tmp_path / "disk"), dtype=torch.float32)
     assert torch.equal(first(ids).logits, second(ids).logits)
 
 
 def test_layerwise_perplexity_equals_the_whole_model(arch, tmp_path):
     folder = _saved(arch, tmp_path)
     ids = _calibration(1, 200, seed=4)[0]
-    model, _ = load(str(folder))
+    model, _ = load(str(folder), dtype=torch.float32)
     expected = windowed_ppl(model, ids, 48, progress=False)
     lazy, _, checkpoint = open_lazy(str(folder))
     got = windowed_ppl(lazy, ids, 48, progress=False, blocks=DiskBlocks(lazy, checkpoint))
@@ -154,7 +154,7 @@ def test_hidden_states_spill_to_files_and_read_back(tmp_path):
 
 def test_pruning_with_spilled_hidden_states_is_unchanged(tmp_path, monkeypatch):
     folder = _saved("mistral", tmp_path)
-    model, _ = load(str(folder))
+    model, _ = load(str(folder), dtype=torch.float32)
     prune(model, "wanda", 0.5, calibration=_calibration(), progress=False)
     monkeypatch.setattr("sparsegen.layerwise.SPILL_SHARE", 0.0)
     spilled = []

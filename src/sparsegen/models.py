@@ -3,6 +3,9 @@ lm-eval give, and the device a model runs on (the KV bytes a token takes: `kv.fo
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 
 from sparsegen.errors import SparsegenError
@@ -29,10 +32,43 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return chosen
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a GPU (half the bytes a step reads, at full speed), fp32 on a CPU (where bf16
-    matmuls without bf16 instructions measured slower)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of x86 CPUs that multiply bf16 natively (AVX512-BF16's dot products, AMX's tiles)."""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none to read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return frozenset(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    except OSError:  # not Linux: no flags to read, fp32 as before
+        return frozenset()
+
+
+def cpu_bf16_flag() -> str | None:
+    """The flag by which this CPU computes bf16 natively (`BF16_FLAGS`), or None: bf16 matmuls then
+    run emulated, slower than fp32."""
+    return next((flag for flag in reversed(BF16_FLAGS) if flag in cpu_flags()), None)
+
+
+def default_dtype(device: torch.device, changing_weights: bool = False) -> torch.dtype:
+    """bf16 on a GPU, and on a CPU that computes bf16 natively (`cpu_bf16_flag`: half the bytes a
+    step reads, prompt products several times fp32's), as vLLM chooses; fp32 on other CPUs (bf16
+    matmuls without bf16 instructions measured slower), and on any CPU for weights about to change
+    (`changing_weights`: pruning, quantizing, training calibrate on fp32 as before)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = device.type == "cpu" and not changing_weights and cpu_bf16_flag() is not None
+    return torch.bfloat16 if native else torch.float32
+
+
+@functools.cache
+def say_cpu_dtype(dtype: torch.dtype) -> None:
+    """Say once a process which dtype a CPU load chose by default, and how to choose the other."""
+    if dtype == torch.bfloat16:
+        print(f"weights in bf16: this CPU computes bf16 natively ({cpu_bf16_flag()}); "
+              "dtype=torch.float32 (--dtype fp32) keeps fp32", file=sys.stderr)  # fmt: skip
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -55,7 +55,7 @@ def bench_gather(
     from sparsegen.loading import load
     from sparsegen.prune.pipeline import decoder_layers
 
-    model, _ = load(model_name, device=device)
+    model, _ = load(model_name, dtype=torch.float32, device=device)  # fp32, as `sparsegen contextual` loads it
     groups = [linears for layer in decoder_layers(model) for linears in projection_groups(layer).values()]
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(1, linears[0].in_features, generator=generator) for linears in groups]

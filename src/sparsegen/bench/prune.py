@@ -54,7 +54,7 @@ def _timing_rows(model_name: str, device: str | None, calibration: torch.Tensor,
     calibrated = [m for m in sorted(PRUNERS) if PRUNERS[m].needs_calibration]
     for method, pattern in [(m, None) for m in sorted(PRUNERS)] + [(m, "2:4") for m in calibrated]:
         progress(f"pruning time: {method} {pattern or 'unstructured'}")
-        model, _ = load(model_name, device=device)
+        model, _ = load(model_name, packed=False, device=device)  # pruned: fp32 on a CPU
         report = prune(model, method, 0.5, pattern, calibration=calibration, progress=False)
         timing.append({"method": method, "pattern": report.pattern, "seconds": report.seconds})
     wanda = {row["pattern"]: row["seconds"] for row in timing if row["method"] == "wanda"}
@@ -70,7 +70,7 @@ def _speed_row(model_name: str, device: str | None, sparsity: float, prompt: tor
     from sparsegen.prune import prune
     from sparsegen.prune.accelerate import CSRLinear, accelerate
 
-    model, _ = load(model_name, device=device)
+    model, _ = load(model_name, packed=False, device=device)
     prune(model, "magnitude", sparsity, progress=False)
     dense_tok_s = _decode_tok_s(model, prompt, tokens)
     ratios = accelerate(model)
@@ -101,7 +101,7 @@ def bench_prune(
     from sparsegen.data import calibration_samples, load_text, tokenize_long
     from sparsegen.loading import load
 
-    model, tokenizer = load(model_name, device=device)
+    model, tokenizer = load(model_name, packed=False, device=device)
     corpus = load_text(text)
     calibration = calibration_samples(tokenizer, corpus, n_samples, seqlen)
     timing = _timing_rows(model_name, device, calibration, progress)

@@ -22,7 +22,7 @@ def quantized_checkpoints(model_name: str, out: Path, device: str | None = None)
 
     folders = {}
     for label, bits in SCHEMES.items():
-        model, tokenizer = load(model_name, device=device)
+        model, tokenizer = load(model_name, packed=False, device=device)  # quantized: fp32 on a CPU
         report = quantize(model, "rtn", bits, progress=False)
         folders[label] = save_quantized(model, tokenizer, out / label, report)
     return folders

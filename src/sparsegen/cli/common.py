@@ -31,6 +31,11 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", help="Embedded name, local folder, .gguf file or hub id.")
+DtypeOpt = typer.Option(
+    None,
+    "--dtype",
+    help="Weights: fp32, bf16 or fp16 (default: bf16 on a GPU and on a CPU with AVX512-BF16 or AMX, else fp32).",
+)
 DeviceOpt = typer.Option(
     None, "--device", help="Where the model runs: cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)."
 )

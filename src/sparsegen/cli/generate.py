@@ -13,6 +13,7 @@ from sparsegen.cli.common import (
     ActivationBitsOpt,
     BudgetOpt,
     DeviceOpt,
+    DtypeOpt,
     HeavyOpt,
     KvBitsOpt,
     ModelOpt,
@@ -88,9 +89,7 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens with this mass."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
-    dtype: str | None = typer.Option(
-        None, "--dtype", help="Weights: fp32, bf16 or fp16 (default: bf16 on a GPU, fp32 on a CPU)."
-    ),
+    dtype: str | None = DtypeOpt,
     compile: str = typer.Option(
         "auto", "--compile", help="auto (when the generation pays for it), always, or never: the decode step."
     ),
@@ -256,6 +255,7 @@ def serve(
     max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask."),
     kv_bits: int | None = KvBitsOpt,
     activation_bits: int | None = ActivationBitsOpt,
+    dtype: str | None = DtypeOpt,
     compile: bool = typer.Option(
         True,
         "--compile/--no-compile",
@@ -268,6 +268,7 @@ def serve(
     import uvicorn
 
     from sparsegen.kv.policy import count_or_share
+    from sparsegen.models import dtype_named
     from sparsegen.serve import build_app
 
     if compile:
@@ -281,6 +282,7 @@ def serve(
         max_queue=max_queue,
         device=device,
         activation_bits=activation_bits,
+        dtype=dtype_named(dtype, "--dtype") if dtype else None,
         compile=compile,
     )
     err.print(application.state.engine.memory.describe())

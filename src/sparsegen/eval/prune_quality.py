@@ -39,7 +39,7 @@ def prune_quality(
     from sparsegen.loading import load
     from sparsegen.prune import PRUNERS, prune
 
-    model, tokenizer = load(model_name, device=device)
+    model, tokenizer = load(model_name, packed=False, device=device)  # pruned below: fp32 on a CPU
     calibration = calibration_samples(tokenizer, load_text(calib_text), n_samples, seqlen)
     held_out = tokenize_long(tokenizer, load_text(eval_text))
     configs = [(m, 0.5, p, False) for p in (None, "4:8", "2:4") for m in sorted(PRUNERS)]
@@ -58,7 +58,7 @@ def prune_quality(
     out.mkdir(parents=True, exist_ok=True)
     for method, sparsity, pattern, owl in configs:
         progress(f"{method} {pattern or sparsity}{' OWL' if owl else ''}")
-        model, _ = load(model_name, device=device)
+        model, _ = load(model_name, packed=False, device=device)
         report = prune(model, method, sparsity, pattern, calibration=calibration, owl=owl, progress=False)
         rows.append(
             {

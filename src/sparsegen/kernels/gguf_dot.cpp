@@ -134,13 +134,52 @@ torch::Tensor gguf_rounded_input(torch::Tensor x, int64_t format) {
   return out;
 }
 
+// The weight the blocks hold [out, in], decoded as the products read it (plain_decode) into fp32 or
+// bf16: a prompt's many rows multiply it in one float GEMM where the CPU computes bf16 natively.
+template <typename T>
+void decode_rows(const uint8_t* w, int64_t format, int64_t in, int64_t out_features, T* o) {
+  const FormatInfo f = info_of(format);
+  const int64_t per_row = in / f.per_block;
+  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    PlainBlock p;
+    for (int64_t n = first; n < last; ++n) {
+      for (int64_t b = 0; b < per_row; ++b) {
+        plain_decode(format, w + (n * per_row + b) * f.block_bytes, p);
+        T* row = o + n * in + b * f.per_block;
+        for (int64_t j = 0; j < f.per_block; ++j) {
+          const int64_t k = j / 16;
+          row[j] = static_cast<T>(p.factor * static_cast<float>(p.scale[k]) * static_cast<float>(p.code[j]) -
+                                  p.offset_factor * static_cast<float>(p.offset[k]));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor gguf_weight(torch::Tensor blocks, int64_t format, int64_t in, at::ScalarType dtype) {
+  const FormatInfo f = info_of(format);
+  TORCH_CHECK(in % f.per_block == 0, "gguf_weight: ", in, " inputs are not whole blocks of ", f.per_block);
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == in / f.per_block * f.block_bytes,
+              "gguf_weight: blocks must be uint8 [out, ", in / f.per_block * f.block_bytes, "], contiguous");
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "gguf_weight: fp32 or bf16");
+  auto out = torch::empty({blocks.size(0), in}, blocks.options().dtype(dtype));
+  if (dtype == torch::kFloat)
+    decode_rows(blocks.data_ptr<uint8_t>(), format, in, blocks.size(0), out.data_ptr<float>());
+  else
+    decode_rows(blocks.data_ptr<uint8_t>(), format, in, blocks.size(0), out.data_ptr<at::BFloat16>());
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int format, int in_features) -> Tensor");
   m.def("gguf_rounded_input(Tensor x, int format) -> Tensor");
+  m.def("gguf_weight(Tensor blocks, int format, int in_features, ScalarType dtype) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_rounded_input", &gguf_rounded_input);
+  m.impl("gguf_weight", &gguf_weight);
 }
 TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("gguf_linear", &gguf_linear_meta); }
 

@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kernels import load_gguf_dot
+from sparsegen.models import cpu_bf16_flag
 from sparsegen.quant.int_dot import IntegerDotLinear
 
 KERNEL_TYPES = tuple(
@@ -38,9 +39,15 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     return in_features // per_block * block_bytes
 
 
+BF16_ABOVE_ROWS = 16
+"""Rows above which a CPU that computes bf16 natively multiplies a prompt by the blocks decoded to bf16
+(one GEMM: several times the integer dots' speed there); elsewhere the kernel takes any row count
+(on AVX2 it beat decoding the blocks for an fp32 GEMM)."""
+
+
 class GGUFLinear(IntegerDotLinear):
     """A Linear whose weight is a GGUF tensor's blocks [out, row bytes] in `qtype`, run as integer dots
-    at any row count (the kernel beats decoding the blocks for a prompt's float GEMM)."""
+    (a prompt's many rows: a bf16 GEMM over the decoded blocks where the CPU computes bf16 natively)."""
 
     float_above_rows = None
 
@@ -53,6 +60,8 @@ class GGUFLinear(IntegerDotLinear):
         super().__init__(in_features, blocks.shape[0], bias)
         self.qtype = qtype
         self.on_kernel = kernels_ready()  # else the float weight, decoded each call (slow, exact)
+        if self.on_kernel and cpu_bf16_flag() is not None:
+            self.float_above_rows = BF16_ABOVE_ROWS
         self.register_buffer("blocks", blocks.contiguous())
 
     def integer_product(self, flat: torch.Tensor) -> torch.Tensor:
@@ -62,6 +71,12 @@ class GGUFLinear(IntegerDotLinear):
         """The float weight [out, in] the blocks hold (gguf's own numpy decoder)."""
         decoded = dequantize(self.blocks.cpu().numpy(), self.qtype).reshape(self.out_features, self.in_features)
         return torch.from_numpy(np.ascontiguousarray(decoded, dtype=np.float32)).to(self.blocks.device)
+
+    def float_weight(self) -> torch.Tensor:
+        """The blocks decoded to bf16 by the kernels' own decoder (a prompt's GEMM), else `weight()`."""
+        if not self.on_kernel:
+            return self.weight()
+        return torch.ops.sparsegen.gguf_weight(self.blocks, int(self.qtype), self.in_features, torch.bfloat16)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, GGUF {self.qtype.name} blocks x int8 integer dot"

@@ -44,7 +44,8 @@ class IntegerDotLinear(PackedLinear):
         flat = x.reshape(-1, self.in_features).float().contiguous()
         many = self.float_above_rows is not None and flat.shape[0] > self.float_above_rows
         if many or not self.on_kernel:  # a prompt: a float GEMM over the weight decoded once beats row dots
-            out = torch.nn.functional.linear(flat, self.weight()).to(x.dtype)
+            weight = self.float_weight()
+            out = torch.nn.functional.linear(flat.to(weight.dtype), weight).to(x.dtype)
         else:  # the op is registered: making the layer built the kernels
             out = self.integer_product(flat).to(x.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
@@ -55,6 +56,10 @@ class IntegerDotLinear(PackedLinear):
 
     def weight(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def float_weight(self) -> torch.Tensor:
+        """The weight a prompt's float GEMM multiplies (a subclass may decode it in bf16)."""
+        return self.weight()
 
 
 class IntDotLinear(IntegerDotLinear):

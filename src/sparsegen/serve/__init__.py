@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from fastapi import FastAPI
 
 from sparsegen.kv.spec import KVSpec
@@ -23,6 +24,7 @@ def build_app(
     max_queue: int = 64,
     device: str | None = None,
     activation_bits: int | None = None,
+    dtype: torch.dtype | None = None,
     compile: bool = False,
 ) -> FastAPI:
     """The server app for `model` (a name or folder, or a loaded `(model, tokenizer)`).
@@ -32,19 +34,20 @@ def build_app(
     policies take conversations of any length. `max_kv_bytes` bounds the KV of every active row
     and held conversation (counted in its spec's `kv_bits` where a request holds its KV rounded); up to
     `max_queue` requests wait for room, later ones get a 429. `activation_bits=8` loads an int4
-    checkpoint with integer-dot products (`sparsegen.load`). `compile=True` compiles the batched
-    decode step in the background while the engine answers eagerly (`serve.compiling`; for a model
-    named by `model`, a child process compiles it first: `serve.precompile`); `/health` says which
-    step serves (`step`: compiling, compiled or eager).
+    checkpoint with integer-dot products, and `dtype` sets the weights' (`sparsegen.load`).
+    `compile=True` compiles the batched decode step in the background while the engine answers
+    eagerly (`serve.compiling`; for a model named by `model`, a child process compiles it first:
+    `serve.precompile`); `/health` says which step serves (`step`: compiling, compiled or eager).
     """
     from sparsegen.loading import load
     from sparsegen.serve.precompile import in_child
 
     kv = KVSpec.coerce(kv)
     network, tokenizer = (
-        load(model, device=device, activation_bits=activation_bits) if isinstance(model, str) else model
+        load(model, dtype=dtype, device=device, activation_bits=activation_bits) if isinstance(model, str) else model
     )
-    first = in_child(model, kv, device=device, activation_bits=activation_bits) if isinstance(model, str) else None
+    child = {"device": device, "activation_bits": activation_bits, "dtype": network.dtype}  # as this one loaded
+    first = in_child(model, kv, **child) if isinstance(model, str) else None
     engine = Engine(
         network,
         tokenizer,

