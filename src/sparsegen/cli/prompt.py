@@ -35,7 +35,7 @@ def prompt_train_command(
     loaded, tokenizer = load(model, packed=False, device=device)  # changes or trains on float weights
     samples = calibration_samples(tokenizer, load_text(text), n_samples, seqlen, seed)
     settings = PromptTraining(tokens=tokens, steps=steps, lr=lr, batch=batch, distill=distill, seed=seed)
-    teacher_model = load(teacher, device=device)[0] if teacher else None
+    teacher_model = load(teacher, dtype=loaded.dtype, device=device)[0] if teacher else None  # as the student
     _, report = train_prompt(loaded, samples, out_dir, settings, teacher=teacher_model, base_model=model)
     tail = report.losses[-min(20, len(report.losses)) :]
     out.print(
