@@ -18,9 +18,10 @@ from sparsegen.models import cpu_bf16_flag
 from sparsegen.quant.gguf_blocks import GGUFLinear
 
 
-def dense_rows(ids: torch.Tensor) -> None:
+def dense_rows() -> None:
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        model, _ = sparsegen.load(dtype=dtype)
+        model, tokenizer = sparsegen.load(dtype=dtype)
+        ids = torch.as_tensor(sparsegen.tokenize_long(tokenizer, sparsegen.load_text("shakespeare"), 4096)).view(1, -1)
         for length in (512, 4096):
             best = min(sparsegen.generate(model, ids[:, :length], 1, compile="never").prefill_s for _ in range(2))
             print(f"default model {name}: prompt {length}: {best:.2f} s ({length / best:.0f} tokens/s)", flush=True)
@@ -51,9 +52,7 @@ def gguf_rows(name: str) -> None:
 def main(names: list[str]) -> None:
     torch.manual_seed(0)
     print(f"bf16 flag: {cpu_bf16_flag()}, threads {torch.get_num_threads()}, {time.strftime('%F %T')}")
-    _, tokenizer = sparsegen.load()
-    ids = torch.as_tensor(sparsegen.tokenize_long(tokenizer, sparsegen.load_text("shakespeare"), 4096)).view(1, -1)
-    dense_rows(ids)
+    dense_rows()
     for name in ["smollm2-135m", *names]:
         gguf_rows(name)
 

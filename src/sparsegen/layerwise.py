@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.distributed import all_reduce_sum, broadcast_rewrite, owner, rank_and_size
 from sparsegen.layerwise_blocks import IN_MEMORY, Blocks, Codec
-from sparsegen.models import decoder_layers
+from sparsegen.models import cpu_bf16_flag, decoder_layers
 from sparsegen.report import say_estimate
 
 SPILL_SHARE = 0.25  # hidden states beyond this share of the machine's RAM go to files
@@ -157,7 +157,7 @@ def fast_calibration_dtype(device: torch.device) -> torch.dtype | None:
     """
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if device.type == "cpu" and cpu_bf16_flag() is not None:  # the one rule: `models.cpu_bf16_flag`
         return torch.bfloat16
     return None
 
