@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.kv.quantized import CLIP_TOLERANCE, CLIPS
-
 
 @dataclass
 class Ref:
@@ -115,6 +113,38 @@ def _expected_attention_scores(scores, received, cache):
     for pos in scores:
         norm = float(cache.value_of(pos).double().norm()) if settings["value_norm"] else 1.0
         scores[pos] = (weights[pos] + settings["epsilon"]) * norm if settings["value_norm"] else weights[pos]
+
+
+def _triattention_scores(scores, received, cache):
+    """Each competing key's attention, for each query head of the group, at logits averaged over the
+    future positions newest + 1, 2, 4, ..., `future`: the centre of the call's queries before RoPE
+    (sinks left out of a prompt's) turned by RoPE to that position, dotted with the key, plus each
+    band's mean query magnitude beyond the centre's times the key's; averaged over the group."""
+    future = {"future": 4096, **cache.settings}["future"]
+    sinks, scale, half = cache.sizes.get("sinks", 0), HEAD_DIM**-0.5, HEAD_DIM // 2
+    ahead = [cache.length - 1 + 2**k for k in range(future.bit_length())]
+    counted = [i for i, p in enumerate(cache.new_positions) if p >= sinks] or range(len(cache.new_positions))
+    competing = [pos for pos in scores if not (_sink(pos, cache) or _recent(pos, cache))]
+    weights = dict.fromkeys(scores, 0.0)
+    for group_queries in cache.new_queries():
+        pre = [_rope_matrix(-cache.new_positions[i]) @ group_queries[i] for i in counted]
+        mean = sum(pre) / len(pre)
+        bands = [sum(math.hypot(q[f], q[f + half]) for q in pre) / len(pre) for f in range(half)]
+        logits = {}
+        for pos in competing:
+            key = cache.key_of(pos).double()
+            trig = sum(float((_rope_matrix(t) @ mean) @ key) for t in ahead) / len(ahead)
+            spread = sum(
+                max(0.0, bands[f] - math.hypot(mean[f], mean[f + half])) * math.hypot(key[f], key[f + half])
+                for f in range(half)
+            )
+            logits[pos] = (trig + spread) * scale
+        if logits:
+            top = max(logits.values())
+            total = sum(math.exp(x - top) for x in logits.values())
+            for pos, x in logits.items():
+                weights[pos] += math.exp(x - top) / total / len(cache.new_queries())
+    scores.update(weights)
 
 
 def _duo_scores(scores, received, cache):
@@ -250,6 +280,15 @@ TABLE: dict[str, Row] = {
             _rkv_scores,
         ),
     ),
+    "triattention": Row(
+        {"sinks": 1, "heavy": 3, "recent": 2},
+        {"sinks": 4, "heavy": 250, "recent": 250},
+        lambda s, h, r: {"sinks": s, "heavy": h, "recent": r},
+        Ref(
+            lambda pos, score, key, cache: math.inf if _sink(pos, cache) or _recent(pos, cache) else score,
+            _triattention_scores,
+        ),
+    ),
     "kvzip": Row(  # scored by the model re-reading the prompt: its reference is tests/test_kv_kvzip.py
         {"sinks": 1, "heavy": 4},
         {"sinks": 4, "heavy": 500},
@@ -359,29 +398,3 @@ class ReferenceCache:
             mine = {k for _, head, k in chosen if head == h}
             self.kept[b][h] = [k for k in self.kept[b][h] if k in mine]
             self.scores[b][h] = {k: v for k, v in self.scores[b][h].items() if k in mine}
-
-
-def round_trip_reference(
-    x: torch.Tensor, bits: int, group: int, r: torch.Tensor, shares: tuple[float, ...] | None = None
-) -> torch.Tensor:
-    """The codec's round trip in float64, share by share: rotate by `r`; per group of `group`
-    numbers, of the ranges min-max shrunk about its middle by each share in CLIPS[bits], round to
-    the widest leaving within CLIP_TOLERANCE of the least squared error (fp16 minimum and step);
-    decode; un-rotate.
-    `shares=(1.0,)`: min-max rounding."""
-    y = x.double() @ r
-    groups = y.reshape(*y.shape[:-1], -1, group)
-    levels = (1 << bits) - 1
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    middle, half = (low + high) / 2, (high - low) / 2
-    candidates = []
-    for share in shares or CLIPS[bits]:
-        first = (middle - half * share).half().double()
-        step = ((middle + half * share - first) / levels).clamp_min(1e-5).half().double()
-        back = ((groups - first) / step).round().clamp(0, levels) * step + first
-        candidates.append((back, (back - groups).square().sum(-1, keepdim=True)))
-    least = torch.stack([error for _, error in candidates]).amin(0)
-    best = candidates[-1][0]
-    for back, error in reversed(candidates):  # the widest range within the tolerance of the least error
-        best = torch.where(error <= least * (1 + CLIP_TOLERANCE), back, best)
-    return best.reshape(y.shape) @ r.T

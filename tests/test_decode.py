@@ -131,7 +131,7 @@ def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(monkeypatch)
 def test_compiled_step_equals_eager_engine():
     model = build_tiny("llama")
     ids = _prompt(21)
-    for policy in ("full", "h2o"):
+    for policy in ("full", "h2o", "triattention"):  # triattention: RoPE's angles inside the graph
         ref = _reference(model, ids, policy, SMALL[policy], 12)
         out = generate(model, ids, 12, KVSpec.of(policy, **SMALL[policy]), compile="always")
         assert out.mode == "compiled" and out.compile_s > 0

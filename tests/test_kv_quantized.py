@@ -12,8 +12,9 @@ from sparsegen.kv.footprint import kv_bytes_per_token, kv_ring_bytes
 from sparsegen.kv.policy_cache import layer_state, load_layer_state
 from sparsegen.kv.quantized import BITS, CLIPS, RESIDUAL, KVCodec
 from sparsegen.kv.spec import KVSpec
+from tests.codec_reference import round_trip_reference
 from tests.conftest import build_tiny
-from tests.kv_reference import TABLE, generate_drop_in, round_trip_reference
+from tests.kv_reference import TABLE, generate_drop_in
 
 SMALL = {name: row.small for name, row in TABLE.items()}
 

@@ -15,8 +15,9 @@ from sparsegen.kv import make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.quantized import BITS, KVCodec, pack, rotation, unpack
 from sparsegen.kv.spec import KVSpec
+from tests.codec_reference import round_trip_reference
 from tests.conftest import build_tiny
-from tests.kv_reference import TABLE, generate_drop_in, round_trip_reference
+from tests.kv_reference import TABLE, generate_drop_in
 
 DIMS = [16, 64, 80, 96, 128]
 

@@ -24,7 +24,7 @@ from sparsegen.cli.common import (
 )
 from sparsegen.errors import SparsegenError
 
-DECODING = ("window", "streaming", "h2o", "streaming_h2o", "tova", "rkv")
+DECODING = ("window", "streaming", "h2o", "streaming_h2o", "tova", "rkv", "triattention")
 """The policies that evict while decoding (`eval.long_output.DECODING_POLICIES`, named here without torch)."""
 
 
@@ -222,6 +222,28 @@ def calibrate_heads_command(
     out.print(f"wrote {out_file}: {scores.shape[0]} layers x {scores.shape[1]} KV heads; most retrieving: {top}")
 
 
+@eval_app.command("calibrate-centres")
+def calibrate_centres_command(
+    model: str = ModelOpt,
+    text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
+    tokens: int = typer.Option(2048, "--tokens", help="Tokens of the text read."),
+    out_file: Path = typer.Option(Path("results/centres.json"), "--out"),
+    device: str | None = DeviceOpt,
+) -> None:
+    """Where each query head's queries sit before RoPE (triattention's centres=), over a text."""
+    from sparsegen.data import load_text
+    from sparsegen.eval.calibrate_heads import query_centres, save_centres
+    from sparsegen.loading import load
+
+    if tokens < 64:
+        raise SparsegenError(f"--tokens must be >= 64, got {tokens}")
+    loaded, tokenizer = load(model, device=device)
+    ids = tokenizer(load_text(text), add_special_tokens=False)["input_ids"][:tokens]
+    mean, magnitude = query_centres(loaded, ids)
+    save_centres(mean, magnitude, out_file, model, text)
+    out.print(f"wrote {out_file}: {mean.shape[0]} layers x {mean.shape[1]} query heads, from {len(ids)} tokens")
+
+
 @eval_app.command("zeroshot")
 def eval_zeroshot(
     model: str = ModelOpt,
@@ -275,6 +297,9 @@ def long_output_command(
     policies: str = typer.Option(",".join(DECODING), "--policies", help="Policies that evict while decoding."),
     text: str = typer.Option("shakespeare", "--text", help="The text whose opening --prompt text continues."),
     compile: str = typer.Option("never", "--compile", help="never, auto or always: the decoders' step."),
+    centres: Path | None = typer.Option(
+        None, "--centres", help="triattention's query centres (`eval calibrate-centres`); else from --text."
+    ),
     out_dir: Path = typer.Option(Path("results/long_output"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
@@ -283,7 +308,9 @@ def long_output_command(
     from sparsegen.eval.long_output import COLUMNS, long_output
     from sparsegen.report import markdown_table
 
+    if centres is not None and not centres.is_file():
+        raise SparsegenError(f"--centres {centres}: no such file (make one with `sparsegen eval calibrate-centres`)")
     names = tuple(name for name in policies.split(",") if name)
-    result = long_output(model, prompt, tokens, budget, names, text, out_dir, compile, device)
+    result = long_output(model, prompt, tokens, budget, names, text, out_dir, compile, device, centres)
     out.print(markdown_table(result["rows"], COLUMNS))
     out.print(f"wrote {out_dir}/long_output.json, .md and .png")

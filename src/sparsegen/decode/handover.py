@@ -167,6 +167,8 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
         store=store,
         slot=slot,
         rotation=parts[0].rotation,
+        rope=parts[0].rope,
+        layer=parts[0].layer,
         contiguous=policy.contiguous,
         sinks=max(part.sizes.sinks for part in parts),
         byte_products=byte_products,

@@ -50,7 +50,8 @@ class LayerState:
     positions/scores [b, h, C]) and each row's next slot [b, h, 1].
 
     `evicting` layers score and evict each step; the others keep every token (dense, or a
-    prefill-only policy after its compression). `rotation` is set for rolling positions;
+    prefill-only policy after its compression). `rope` and `layer` are the policy's `Step.rope`
+    and `Step.layer`. `rotation` is set for rolling positions;
     `sinks` > 0 with `contiguous` rotates only slots [0, sinks), which hold the first tokens.
     With a `codec`, keys and values are its byte rows, decoded for each step's attention, and
     `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of each row's newest tokens at full
@@ -69,6 +70,8 @@ class LayerState:
     store: SlotStore
     slot: torch.Tensor
     rotation: KeyRotation | None = None
+    rope: KeyRotation | None = None
+    layer: int = 0
     contiguous: bool = False
     sinks: int = 0
     byte_products: bool = False
@@ -239,6 +242,7 @@ class LayerState:
         if self.evicting and self.context is not None:
             weights = probs.view(*query.shape[:2], 1, -1)
             step = {"query": query, "scaling": scaling, "seen": seen, "new": 1, "weights": weights, "keys": keys}
+            step |= {"rope": self.rope, "layer": self.layer}
             self.slot.copy_(self.context.evict(self.sizes, self.positions, self.scores, step))
             return
         if self.evicting:
@@ -254,6 +258,8 @@ class LayerState:
                 new=1,
                 sizes=self.sizes,
                 weights=probs.view(b, hq, 1, -1),
+                rope=self.rope,
+                layer=self.layer,
             )
             update_scores(self.policy, step)
             priority = priorities(self.policy, step)

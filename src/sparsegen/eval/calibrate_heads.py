@@ -1,7 +1,11 @@
-"""DuoAttention's head calibration (`kv.duo_attention`'s `heads=`): which KV heads retrieve, measured
-as the attention each head pays to the needle of synthetic passkey prompts while answering. It
-runs the model, so it lives here with the evaluations; the policy only reads the saved scores.
-`sparsegen eval calibrate-heads` writes them.
+"""Per-head calibrations that run the model, so they live here with the evaluations; the policies
+only read what is saved.
+
+- DuoAttention's (`kv.duo_attention`'s `heads=`): which KV heads retrieve, measured as the attention
+  each head pays to the needle of synthetic passkey prompts while answering (`sparsegen eval
+  calibrate-heads`).
+- TriAttention's (`kv.triattention`'s `centres=`): where each query head's queries sit before RoPE
+  over a text (`sparsegen eval calibrate-centres`).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from sparsegen.decode.shared import SharedPrefill
+from sparsegen.errors import SparsegenError
 from sparsegen.ioutil import write_json
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy import attention_received
+from sparsegen.kv.triattention import band_statistics
 
 
 def passkey_prompt(tokenizer: PreTrainedTokenizerBase, length: int, rng: random.Random) -> tuple[list[int], range, int]:
@@ -64,3 +70,33 @@ def calibrate_heads(
 def save_heads(scores: torch.Tensor, path: Path | str, model_name: str) -> None:
     """Write `calibrate_heads`' scores where `heads=` reads them."""
     write_json(Path(path), {"model": model_name, "scores": scores.tolist()})
+
+
+@torch.inference_mode()
+def query_centres(model: torch.nn.Module, ids: list[int], sinks: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's queries before RoPE over the text `ids` (the first `sinks` left out): their
+    mean [layers, query heads, d] and each RoPE band's mean magnitude [layers, query heads, bands]
+    (zeros for a layer without a policy, such as Gemma 3's sliding ones)."""
+    if len(ids) <= sinks:
+        raise SparsegenError(f"calibrating query centres needs more than {sinks} tokens, got {len(ids)}")
+    with policy_attention(model):
+        record = SharedPrefill(model, ids).record
+    rows = []
+    for layer in record.layers:
+        call = getattr(layer, "recorded", None)
+        if call is None:
+            rows.append(None)
+            continue
+        query = call.query[:1].float()
+        positions = torch.arange(query.shape[2], device=query.device).expand(query.shape[:3])
+        pre = layer.rope.rotate(query, -positions)[:, :, sinks:]
+        rows.append(tuple(t[0].cpu() for t in band_statistics(pre, layer.rope.rotary_dim)))
+    some = next(row for row in rows if row is not None)
+    rows = [row or tuple(torch.zeros_like(t) for t in some) for row in rows]
+    return torch.stack([mean for mean, _ in rows]), torch.stack([magnitude for _, magnitude in rows])
+
+
+def save_centres(mean: torch.Tensor, magnitude: torch.Tensor, path: Path | str, model_name: str, text: str) -> None:
+    """Write `query_centres`' statistics where `centres=` reads them."""
+    saved = {"model": model_name, "text": text, "mean": mean.tolist(), "magnitude": magnitude.tolist()}
+    write_json(Path(path), saved)

@@ -107,7 +107,7 @@ def _follow(full: Decoder, logits: torch.Tensor, followers: list[Following], tok
     return written
 
 
-DECODING_POLICIES = ("window", "streaming", "h2o", "streaming_h2o", "tova", "rkv")
+DECODING_POLICIES = ("window", "streaming", "h2o", "streaming_h2o", "tova", "rkv", "triattention")
 """The policies that evict while decoding (the prompt-compressing ones keep every new token)."""
 CODE_REQUEST = (
     "Write a complete, well-documented Python module for a small inventory system: classes for items, "
@@ -149,10 +149,12 @@ def long_output(
     out: Path = Path("results/long_output"),
     compile: str = "never",
     device: str | None = None,
+    centres: Path | None = None,
 ) -> dict:
     """Each policy at a budget of `share` of `tokens` against the full cache along its output;
     writes `long_output.json`, `.md` and `.png` into `out` (a finished run of the same settings is
-    read back, not run again)."""
+    read back, not run again). TriAttention reads its query centres from `centres`, else from
+    2,048 tokens of `text` (`out/centres.json`, said)."""
     from tqdm.auto import tqdm
 
     from sparsegen.ioutil import write_json, write_text
@@ -166,6 +168,7 @@ def long_output(
         "tokens": tokens,
         "budget": budget,
         "policies": list(policies),
+        "centres": None if centres is None else str(centres),
     }
     done = out / "long_output.json"
     if done.exists() and (previous := _read(done)).get("settings") == settings:
@@ -173,6 +176,8 @@ def long_output(
     model, tokenizer = load(model_name, device=device)
     prompt = long_output_prompt(tokenizer, prompt_kind, text)
     runs = {name: {"policy": name, "budget": budget} for name in policies}
+    if "triattention" in runs:
+        runs["triattention"]["centres"] = str(centres or _calibrated_centres(model, tokenizer, text, model_name, out))
     with tqdm(total=tokens, unit="tok", desc=f"following the full cache with {len(runs)} policies") as bar:
         written, rows = follow_full_output(model, prompt, tokens, runs, compile=compile, tick=bar.update)
     rows = [{**row, "budget": budget} for row in rows]
@@ -195,6 +200,22 @@ def long_output(
     }
     plot_lines(series, out / "long_output.png", "written tokens", "top-1 agreement with the full cache", title)
     return result
+
+
+def _calibrated_centres(model, tokenizer, text: str, model_name: str, out: Path) -> Path:
+    """TriAttention's query centres from 2,048 tokens of `text`, written to `out/centres.json`."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    from sparsegen.data import load_text
+    from sparsegen.eval.calibrate_heads import query_centres, save_centres
+
+    path = out / "centres.json"
+    ids = tokenizer(load_text(text), add_special_tokens=False)["input_ids"][:2048]
+    save_centres(*query_centres(model, ids), path, model_name, text)
+    tqdm.write(f"triattention: query centres from {len(ids)} tokens of {text} -> {path}", file=sys.stderr)
+    return path
 
 
 def _read(path: Path) -> dict:

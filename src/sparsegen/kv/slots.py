@@ -21,7 +21,8 @@ class HeldSlots:
     The `store` holds keys, values [b, h, n, d], positions [b, h, n] (`EMPTY` where a slot is free)
     and scores; with a codec, its byte rows and the ring of the newest tokens; with `head_of`, the
     heads of a head-adaptive layer held flat (`kv.ragged`). How the layer goes on: its policy, its
-    resolved sizes, whether it still evicts while decoding, and the rotation of rolling positions.
+    resolved sizes, whether it still evicts while decoding, the rotation of rolling positions, and
+    the model's RoPE frequencies and the layer's index (for a policy that reasons about queries).
     """
 
     store: SlotStore
@@ -29,6 +30,8 @@ class HeldSlots:
     sizes: Sizes
     evicting: bool
     rotation: KeyRotation | None = None
+    rope: KeyRotation | None = None
+    layer: int = 0
 
     keys, values, positions, scores = (store_view(n) for n in TOKENS)
     codec, head_of, recent_keys, recent_values = (store_view(n) for n in ("codec", "head_of", *RING))
@@ -63,9 +66,8 @@ def slots_of_layer(layer: PolicyLayer) -> HeldSlots:
     """What a policy layer holds, as slots (heads of different counts held flat)."""
     store = SlotStore(**layer.hand_over(), codec=layer.codec, **layer.store.ring(), kv_heads=layer.kv_heads)
     evicting = layer.sizes is not None and not layer.compressed
-    return HeldSlots(
-        store, policy=layer.policy, sizes=layer.sizes or Sizes(), evicting=evicting, rotation=layer.rotation
-    )
+    sizes = layer.sizes or Sizes()
+    return HeldSlots(store, layer.policy, sizes, evicting, layer.rotation, layer.rope, layer.layer_idx or 0)
 
 
 def take_slots(layer: PolicyLayer, slots: HeldSlots, seen: int, dtype: torch.dtype) -> None:
