@@ -130,14 +130,20 @@ Rounded round_rows(const float* x, int64_t rows, int64_t in, bool k_quant) {
 
 // ---- One weight block, decoded: what every format yields for the products ----------------------
 
-// The 6-bit scales and minimums of Q4_K / Q5_K's eight sub-blocks (get_scale_min_k4).
+// The 6-bit scales and minimums of Q4_K / Q5_K's eight sub-blocks (get_scale_min_k4), four bytes
+// at a time: the 12 bytes are words A, B, C; scales 0-3 are A's low six bits, minimums 0-3 B's;
+// scales 4-7 are C's low nibbles with A's top two bits above them, minimums 4-7 C's high nibbles
+// with B's top bits (a shift within a 32-bit word keeps each byte's own bits once masked).
 inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = q[j] & 63;
-    m[j] = q[j + 4] & 63;
-    sc[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
-    m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-  }
+  uint32_t a, b, c;
+  std::memcpy(&a, q, 4);
+  std::memcpy(&b, q + 4, 4);
+  std::memcpy(&c, q + 8, 4);
+  constexpr uint32_t kLow6 = 0x3f3f3f3fu, kLow4 = 0x0f0f0f0fu, kTwo = 0x03030303u;
+  const uint32_t scales[2] = {a & kLow6, (c & kLow4) | (((a >> 6) & kTwo) << 4)};
+  const uint32_t minimums[2] = {b & kLow6, ((c >> 4) & kLow4) | (((b >> 6) & kTwo) << 4)};
+  std::memcpy(sc, scales, 8);
+  std::memcpy(m, minimums, 8);
 }
 
 // The plain decode of one block into integer codes per weight and, per sub-block of 16, an integer
@@ -283,10 +289,17 @@ inline __m256i halves(int16_t first, int16_t second) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(first)), _mm_set1_epi16(second), 1);
 }
 
+// Q4_K and Q6_K 64 bytes an instruction where the CPU has AVX-512 (BW, VL): SPARSEGEN_AVX512.
+#include "gguf_blocks_wide.h"
+
 // A K-quant super-block against kRows rows: the integer sums of scale * (u . a) per row, then
 // acc += sums * d * step, and the minimums' (or Q6_K's -32 offset's) term from the sums per 16.
 template <int64_t F, int kRows>
 inline void block256(const uint8_t* w, const Rounded& r, const int64_t* at, __m256* acc, __m256* offset) {
+#ifdef SPARSEGEN_AVX512
+  if constexpr (F == kQ4_K) return q4_k_wide<kRows>(w, r, at, acc, offset);
+  if constexpr (F == kQ6_K) return q6_k_wide<kRows>(w, r, at, acc, offset);
+#endif
   __m256i sums[kRows];
   for (int k = 0; k < kRows; ++k) sums[k] = _mm256_setzero_si256();
   alignas(32) int16_t offsets16[16];
