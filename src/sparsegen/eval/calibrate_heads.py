@@ -51,20 +51,24 @@ def calibrate_heads(
     with policy_attention(model):
         for _ in range(samples):
             ids, needle, answer = passkey_prompt(tokenizer, length, rng)
-            record = SharedPrefill(model, ids).record
-            rows = []
-            for layer in record.layers:
-                call = getattr(layer, "recorded", None)
-                if call is None:
-                    rows.append(None)
-                    continue
+
+            def needle_share(_layer, call, needle=needle, answer=answer):
                 received = attention_received(call.query[:, :, -answer:], call.keys, call.scaling)
-                share = received[0, :, needle.start : needle.stop].sum(-1) / received[0].sum(-1)
-                rows.append(share)
-            some = next(row for row in rows if row is not None)
-            scores = torch.stack([row if row is not None else torch.zeros_like(some) for row in rows]).cpu()
+                return received[0, :, needle.start : needle.stop].sum(-1) / received[0].sum(-1)
+
+            scores = torch.stack(_per_recorded_layer(model, ids, needle_share)).cpu()
             total = scores if total is None else total + scores
     return total / samples
+
+
+def _per_recorded_layer(model: torch.nn.Module, ids: list[int], measure) -> list[torch.Tensor]:
+    """`measure(layer, call)` of every layer of one shared read of `ids` (`decode.shared`); a layer
+    without a policy (Gemma 3's sliding ones) gets zeros shaped like the others'."""
+    record = SharedPrefill(model, ids).record
+    calls = [(layer, getattr(layer, "recorded", None)) for layer in record.layers]
+    rows = [None if call is None else measure(layer, call) for layer, call in calls]
+    some = next(row for row in rows if row is not None)
+    return [row if row is not None else torch.zeros_like(some) for row in rows]
 
 
 def save_heads(scores: torch.Tensor, path: Path | str, model_name: str) -> None:
@@ -79,21 +83,18 @@ def query_centres(model: torch.nn.Module, ids: list[int], sinks: int = 4) -> tup
     (zeros for a layer without a policy, such as Gemma 3's sliding ones)."""
     if len(ids) <= sinks:
         raise SparsegenError(f"calibrating query centres needs more than {sinks} tokens, got {len(ids)}")
-    with policy_attention(model):
-        record = SharedPrefill(model, ids).record
-    rows = []
-    for layer in record.layers:
-        call = getattr(layer, "recorded", None)
-        if call is None:
-            rows.append(None)
-            continue
+    head_dim = {}
+
+    def statistics(layer, call):
         query = call.query[:1].float()
+        head_dim["d"] = query.shape[-1]
         positions = torch.arange(query.shape[2], device=query.device).expand(query.shape[:3])
         pre = layer.rope.rotate(query, -positions)[:, :, sinks:]
-        rows.append(tuple(t[0].cpu() for t in band_statistics(pre, layer.rope.rotary_dim)))
-    some = next(row for row in rows if row is not None)
-    rows = [row or tuple(torch.zeros_like(t) for t in some) for row in rows]
-    return torch.stack([mean for mean, _ in rows]), torch.stack([magnitude for _, magnitude in rows])
+        return torch.cat(band_statistics(pre, layer.rope.rotary_dim), -1)[0].cpu()  # [heads, d + bands]
+
+    with policy_attention(model):
+        rows = torch.stack(_per_recorded_layer(model, ids, statistics))
+    return rows[..., : head_dim["d"]], rows[..., head_dim["d"] :]
 
 
 def save_centres(mean: torch.Tensor, magnitude: torch.Tensor, path: Path | str, model_name: str, text: str) -> None:
