@@ -133,17 +133,28 @@ Rounded round_rows(const float* x, int64_t rows, int64_t in, bool k_quant) {
 // The 6-bit scales and minimums of Q4_K / Q5_K's eight sub-blocks (get_scale_min_k4), four bytes
 // at a time: the 12 bytes are words A, B, C; scales 0-3 are A's low six bits, minimums 0-3 B's;
 // scales 4-7 are C's low nibbles with A's top two bits above them, minimums 4-7 C's high nibbles
-// with B's top bits (a shift within a 32-bit word keeps each byte's own bits once masked).
-inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+// with B's top bits (a shift within a 32-bit word keeps each byte's own bits once masked). Each
+// comes back as eight bytes in one 64-bit word, scale (minimum) j in byte j: kept in registers,
+// never stored and read back wider (a store-forwarding stall a block).
+struct K4Scales {
+  uint64_t scales, minimums;
+};
+
+inline K4Scales k4_words(const uint8_t* q) {
   uint32_t a, b, c;
   std::memcpy(&a, q, 4);
   std::memcpy(&b, q + 4, 4);
   std::memcpy(&c, q + 8, 4);
   constexpr uint32_t kLow6 = 0x3f3f3f3fu, kLow4 = 0x0f0f0f0fu, kTwo = 0x03030303u;
-  const uint32_t scales[2] = {a & kLow6, (c & kLow4) | (((a >> 6) & kTwo) << 4)};
-  const uint32_t minimums[2] = {b & kLow6, ((c >> 4) & kLow4) | (((b >> 6) & kTwo) << 4)};
-  std::memcpy(sc, scales, 8);
-  std::memcpy(m, minimums, 8);
+  const uint64_t scales_high = (c & kLow4) | (((a >> 6) & kTwo) << 4);
+  const uint64_t minimums_high = ((c >> 4) & kLow4) | (((b >> 6) & kTwo) << 4);
+  return {(a & kLow6) | (scales_high << 32), (b & kLow6) | (minimums_high << 32)};
+}
+
+inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  const K4Scales words = k4_words(q);
+  std::memcpy(sc, &words.scales, 8);
+  std::memcpy(m, &words.minimums, 8);
 }
 
 // The plain decode of one block into integer codes per weight and, per sub-block of 16, an integer
@@ -302,13 +313,13 @@ inline void block256(const uint8_t* w, const Rounded& r, const int64_t* at, __m2
 #endif
   __m256i sums[kRows];
   for (int k = 0; k < kRows; ++k) sums[k] = _mm256_setzero_si256();
-  alignas(32) int16_t offsets16[16];
+  __m256i offsets;  // per 16 inputs, the integer its input sum is multiplied by
   float d, offset_factor;
   if (F == kQ6_K) {
     const uint8_t *ql = w, *qh = w + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
     d = half_at(w + 208), offset_factor = 32.f * d;
-    for (int j = 0; j < 16; ++j) offsets16[j] = sc[j];
+    offsets = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
     for (int n = 0; n < 2; ++n) {
       const __m256i qa = load32(ql + 64 * n), qb = load32(ql + 64 * n + 32), h = load32(qh + 32 * n);
       const __m256i three = _mm256_set1_epi8(3);
@@ -326,10 +337,12 @@ inline void block256(const uint8_t* w, const Rounded& r, const int64_t* at, __m2
       }
     }
   } else {
-    uint8_t sc[8], m[8];
-    k4_scales(w + 4, sc, m);
+    const K4Scales words = k4_words(w + 4);
+    uint8_t sc[8];
+    std::memcpy(sc, &words.scales, 8);
     d = half_at(w), offset_factor = half_at(w + 2);
-    for (int j = 0; j < 16; ++j) offsets16[j] = m[j / 2];
+    const __m128i minimums = _mm_cvtsi64_si128(static_cast<int64_t>(words.minimums));
+    offsets = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(minimums, minimums));  // minimum j / 2 for input j
     const uint8_t* qs = w + (F == kQ5_K ? 48 : 16);
     const __m256i high = F == kQ5_K ? load32(w + 16) : _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
@@ -350,7 +363,6 @@ inline void block256(const uint8_t* w, const Rounded& r, const int64_t* at, __m2
       }
     }
   }
-  const __m256i offsets = _mm256_load_si256(reinterpret_cast<const __m256i*>(offsets16));
   for (int k = 0; k < kRows; ++k) {
     const float step = r.step[at[k]];
     acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[k]), _mm256_set1_ps(d * step), acc[k]);

@@ -1,7 +1,7 @@
 // The 64-byte path of gguf_blocks.h's two K-quants of a Q4_K_M file, Q4_K and Q6_K, on CPUs with
 // AVX-512 BW and VL: half the vector work of the 32-byte path, each sub-block's scale spread over its
 // pair sums' lanes by one permute. Included by gguf_blocks.h after the pieces it uses (Rounded,
-// half_at, load32, k4_scales), inside its anonymous namespace; block256 calls it.
+// half_at, load32, k4_words), inside its anonymous namespace; block256 calls it.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -37,13 +37,11 @@ inline void fold_wide(__m512i sums, __m256i offsets, const int16_t* sums16, floa
 // (inputs 128h..+31 and 128h+64..+95), its high nibbles sub-blocks 4h + 1 and 4h + 3.
 template <int kRows>
 inline void q4_k_wide(const uint8_t* w, const Rounded& r, const int64_t* at, __m256* acc, __m256* offset) {
-  alignas(16) uint8_t sc[16] = {}, m[16] = {};
-  k4_scales(w + 4, sc, m);
-  const __m128i sc8 = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
-  const __m128i m8 = _mm_load_si128(reinterpret_cast<const __m128i*>(m));
+  const K4Scales words = k4_words(w + 4);
+  const __m128i sc8 = _mm_cvtsi64_si128(static_cast<int64_t>(words.scales));
+  const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(words.minimums));
   const __m512i scales = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(sc8));
-  const __m256i pair_of = _mm256_srli_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kLaneIota)), 1);
-  const __m256i minimums = _mm256_permutexvar_epi16(pair_of, _mm256_cvtepu8_epi16(m8));  // per 16 inputs
+  const __m256i minimums = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // minimum j / 2 for input j
   __m512i sums[kRows];
   for (int k = 0; k < kRows; ++k) sums[k] = _mm512_setzero_si512();
   const __m512i fifteen = _mm512_set1_epi8(15);
