@@ -107,6 +107,8 @@ class Decoder:
         self._remaining = 0
         self.patched: list[torch.nn.Linear] = []
         self.packed = packed
+        self._layout = 0  # counts changes of the rows and slots the step reads (join, leave)
+        self._guarded = -1  # the layout whose last compiled step ran with dynamo's guards
 
     # -- rows in, rows out ------------------------------------------------------------------
     def new_cache(self, prompt_length: int) -> PolicyCache:
@@ -153,6 +155,7 @@ class Decoder:
         counts = [cache.get_seq_length() for cache in caches for _ in range(_rows(cache))]
         seen = torch.tensor(counts, device=layers[0].keys.device)
         joining = StaticKV(layers, seen, varying=self.rows_vary)
+        self._layout += 1
         if self.state is None or not self.rows:
             self.state = joining
         else:
@@ -168,6 +171,7 @@ class Decoder:
         movers = iter(row for row in range(count, self.rows) if row not in gone)
         order = [next(movers) if row in gone else row for row in range(count)]
         self.state.select(order)
+        self._layout += 1
         return order
 
     def hand_back(self, row: int) -> PolicyCache:
@@ -251,6 +255,19 @@ class Decoder:
         self.patched, self._step, self.mode, self.compile = [], self._eager, "eager", "never"
         self.packed = None
 
+    def _compiled_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The compiled step once it exists. Its first step over a layout (rows and slots) runs
+        dynamo's guards, which pick or compile the graph for it; later steps over the same layout
+        check only the guards that tell its graphs apart (`skip_guard_eval_unsafe`): every guard
+        was 1.4 ms of a 10 ms step of the default model (docs/benchmarks.md). Nothing else the
+        step reads changes between those steps."""
+        if self._guarded == self._layout:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._step(tokens, self.state)
+        logits = self._step(tokens, self.state)
+        self._guarded = self._layout
+        return logits
+
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [b]; returns the next-token logits [b, vocab]."""
@@ -271,7 +288,7 @@ class Decoder:
         if self.device.type == "cuda":  # a new replay: the last step's outputs were consumed
             torch.compiler.cudagraph_mark_step_begin()
         if self.compile_s:
-            return self._step(tokens, self.state)
+            return self._compiled_step(tokens)
         started = time.perf_counter()
         try:
             logits = self._step(tokens, self.state)
