@@ -60,6 +60,19 @@ def test_bad_bit_widths_get_one_line_errors():
         assert "\n" not in str(error.value)
 
 
+def test_a_large_key_bias_refuses_four_bits_or_fewer_and_keeps_eight():
+    """Qwen2.5's first layer's key bias (354 on the 1.5B model) wrecks per-token int4 keys."""
+    model = build_tiny("qwen2")
+    for bits in (2, 3, 4, 8):
+        make_cache(model, KVSpec.of("full", kv_bits=bits))  # a small random bias: every width
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.bias[5] = -100.0
+    make_cache(model, KVSpec.of("full", kv_bits=8))
+    with pytest.raises(SparsegenError, match=r"layers\.1\.self_attn\.k_proj's bias reaches 100.*kv_bits=8") as error:
+        make_cache(model, KVSpec.of("h2o", budget=8, kv_bits=4))
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("bits", [8, 2])
 def test_rolled_sinks_are_read_from_their_bytes_once_they_leave_the_ring_on_both_engines(bits):
     """Streaming with rolling positions re-rotates its sinks every step. Once a sink is older than
