@@ -16,7 +16,6 @@ from sparsegen.kv.quantized import codec_for
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.spec import KVSpec
 
-
 KEY_BIAS_LIMIT = 32.0
 """The largest key-projection bias a KV held in 4 bits or fewer is allowed: per-token groups round
 a key whose one channel carries such a constant with a step too coarse for the rest of it. Qwen2.5's
