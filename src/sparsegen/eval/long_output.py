@@ -162,14 +162,8 @@ def long_output(
     from sparsegen.report import markdown_table, plot_lines, run_meta
 
     budget = max(1, round(share * tokens))
-    settings = {
-        "model": model_name,
-        "prompt": prompt_kind,
-        "tokens": tokens,
-        "budget": budget,
-        "policies": list(policies),
-        "centres": None if centres is None else str(centres),
-    }
+    settings = {"model": model_name, "prompt": prompt_kind, "tokens": tokens, "budget": budget}
+    settings |= {"policies": list(policies), "centres": None if centres is None else str(centres)}
     done = out / "long_output.json"
     if done.exists() and (previous := _read(done)).get("settings") == settings:
         return previous
