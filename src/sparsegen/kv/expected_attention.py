@@ -61,12 +61,9 @@ class ExpectedAttentionPolicy(Policy):
             raise SparsegenError(
                 "expected_attention needs the model's RoPE frequencies: make the cache with make_cache"
             )
-        b, hq, new, d = step.query.shape
+        b, hq, _, d = step.query.shape
         hkv = step.keys.shape[1]
-        positions = torch.arange(step.seen - new, step.seen, device=step.query.device).expand(b, hq, new)
-        queries = step.rope.rotate(step.query.float(), -positions)  # back to before RoPE
-        counted = positions[0, 0] >= self.sinks
-        queries = queries[:, :, counted] if bool(counted.any()) else queries
+        queries = step.queries_before_rope(self.sinks)
         rotation = mean_rotation(step.rope.inv_freq, int(step.seen), self.future, d).to(queries.device)
         mean = queries.mean(2) @ rotation.T  # [b, hq, d]
         keys = step.keys.float()

@@ -88,6 +88,16 @@ class Step:
                 self._received[last] = attention_received(self.query[:, :, -last:], self.keys, self.scaling)
         return self._received[last]
 
+    def queries_before_rope(self, sinks: int) -> torch.Tensor:
+        """This call's queries turned back to before RoPE [b, hq, n, d] (float32), those of the first
+        `sinks` positions left out of a prompt's (kept where nothing else is)."""
+        b, hq, new, _ = self.query.shape
+        first = torch.as_tensor(self.seen, device=self.query.device).view(-1, 1, 1) - new
+        positions = (first + torch.arange(new, device=self.query.device)).expand(b, hq, new)
+        queries = self.rope.rotate(self.query.float(), -positions)
+        counted = positions[0, 0] >= sinks
+        return queries[:, :, counted] if new > 1 and bool(counted.any()) else queries
+
     def is_sink(self) -> torch.Tensor:
         return self.positions < self.sizes.sinks
 

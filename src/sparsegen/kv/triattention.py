@@ -95,7 +95,7 @@ class TriAttentionPolicy(Policy):
 
     def statistics(self, step) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries' mean before RoPE [b, hq, d] and band magnitudes [b, hq, bands]: calibrated, or this call's."""
-        b, hq, new, d = step.query.shape
+        b, hq, _, d = step.query.shape
         if self._calibrated is not None:
             mean, magnitude = self._calibrated
             if step.layer >= mean.shape[0] or mean.shape[1:] != (hq, d):
@@ -103,13 +103,7 @@ class TriAttentionPolicy(Policy):
                 raise SparsegenError(f"{self.centres} was calibrated for another model ({where})")
             device = step.query.device
             return mean[step.layer].to(device).expand(b, hq, d), magnitude[step.layer].to(device).expand(b, hq, -1)
-        first = torch.as_tensor(step.seen, device=step.query.device).view(-1, 1, 1) - new
-        positions = (first + torch.arange(new, device=step.query.device)).expand(b, hq, new)
-        pre = step.rope.rotate(step.query.float(), -positions)
-        counted = positions[0, 0] >= self.sinks
-        if new > 1 and bool(counted.any()):
-            pre = pre[:, :, counted]
-        return band_statistics(pre, step.rope.rotary_dim)
+        return band_statistics(step.queries_before_rope(self.sinks), step.rope.rotary_dim)
 
     def score(self, step):
         if step.rope is None:
