@@ -330,3 +330,20 @@ def test_rows_leaving_and_joining_move_only_their_own_rows_and_decode_as_alone(p
             logits = decoder.step(logits.argmax(-1))
     for row in (1, 3, 4):
         assert tokens[row] == alone(prompts[row], len(tokens[row]) - 1)[: len(tokens[row])]
+
+
+def test_decoders_past_dynamos_graph_limit_still_compile_and_equal_eager():
+    """Every decoder compiles the same code, and dynamo steps a code eagerly past its graph limit
+    (8): a process already holding graphs of other decoders (here, a limit of one) still compiles
+    each new decoder's step, which equals the eager one."""
+    from torch._dynamo.utils import counters
+
+    prompt = [list(range(3, 17))]
+    for arch, spec in (("llama", KVSpec.of("full")), ("qwen2", KVSpec.of("h2o", budget=10))):
+        model = build_tiny(arch, layers=2)
+        eager = generate(model, prompt, 8, spec, compile="never", eos_token_id=[])
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(recompile_limit=1):  # pytest's monkeypatch would delete it after
+            compiled = generate(model, prompt, 8, spec, compile="always", eos_token_id=[])
+        assert counters["stats"]["unique_graphs"] > graphs, arch  # compiled, not stepped eagerly
+        assert compiled.tokens == eager.tokens, arch

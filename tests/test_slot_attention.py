@@ -1,4 +1,4 @@
-"""A decode step's attention over fp32 slots in one call (`kv.kernels.slot_attention`)."""
+"""A decode step's attention over fp32 or fp16 slots in one call (`kv.kernels.slot_attention`)."""
 
 import pytest
 import torch
@@ -15,8 +15,10 @@ def masked_softmax_attention(query, keys, values, positions, scaling):
     return logits.softmax(-1) @ values
 
 
+@pytest.mark.parametrize("held", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("b", "h", "g", "d", "n"), [(2, 3, 3, 64, 300), (1, 2, 4, 48, 37), (1, 3, 3, 64, 1100)])
-def test_slot_attention_equals_masked_softmax_over_the_live_slots(b, h, g, d, n):
+def test_slot_attention_equals_masked_softmax_over_the_live_slots(b, h, g, d, n, held):
+    """fp16 slots: the same attention over the rows as held, widened (the reference in float64)."""
     assert kernels_available()  # the machine's compiler builds them; CI has one
     generator = torch.Generator().manual_seed(n)
     query, keys, values = (torch.randn(b, h, k, d, generator=generator) for k in (g, n, n))
@@ -24,8 +26,11 @@ def test_slot_attention_equals_masked_softmax_over_the_live_slots(b, h, g, d, n)
     positions[..., -1] = 7  # every row and head holds at least one token
     if n > 1000:
         positions[..., : n // 2] = -1  # whole parts of the slots empty: their share must vanish
-    expected = masked_softmax_attention(query, keys, values, positions, d**-0.5)
-    torch.testing.assert_close(slot_attention(query, keys, values, positions, d**-0.5), expected, rtol=1e-5, atol=1e-5)
+    keys, values = keys.to(held), values.to(held)
+    expected = masked_softmax_attention(query.double(), keys.double(), values.double(), positions, d**-0.5)
+    got = slot_attention(query, keys, values, positions, d**-0.5)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_slot_attention_compiles_as_one_call_for_any_row_and_slot_count():
@@ -39,17 +44,18 @@ def test_slot_attention_compiles_as_one_call_for_any_row_and_slot_count():
         torch.testing.assert_close(compiled(query, keys, values, positions, 0.2), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("held", [torch.float32, torch.float16])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_full_cache_decodes_the_same_with_and_without_the_fused_attention(arch, monkeypatch):
+def test_full_cache_decodes_the_same_with_and_without_the_fused_attention(arch, held, monkeypatch):
     import sparsegen.decode.handover as handover
 
     model = build_tiny(arch)
     prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 37)]
-    fused = Decoder(model, "full", compile="never")
+    fused = Decoder(model, "full", compile="never", kv_dtype=held)
     with_kernel = generate(model, prompts, 20, decoder=fused)
-    assert all(layer.fused_attention for layer in fused.state.layers)
+    assert all(layer.fused_attention and layer.keys.dtype == held for layer in fused.state.layers)
     monkeypatch.setattr(handover, "kernels_available", lambda: False)
-    plain = Decoder(model, "full", compile="never")
+    plain = Decoder(model, "full", compile="never", kv_dtype=held)
     without = generate(model, prompts, 20, decoder=plain)
     assert not any(layer.fused_attention for layer in plain.state.layers)
     assert with_kernel.tokens == without.tokens

@@ -38,6 +38,7 @@ COMPILE_AFTER = 64  # eager steps before "auto" considers compiling
 COMPILE_PAYS_AFTER = 512  # steps still to come for a compile to pay back (see docs/benchmarks.md)
 PREFILL_ROWS = 4  # rows read in one prefill forward: bounds the dense prompt KV held before eviction
 LEAN_WRAPPER = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+STEP_GRAPHS = 64  # graphs of the decode step kept per process: every decoder's count against one limit
 """Inductor checks every input's size and alignment again in the graph's Python wrapper, after
 dynamo's guards have: about 850 checks a step at 30 layers, 0.6-1.7 ms of a 13 ms int4 step
 (docs/benchmarks.md)."""
@@ -63,7 +64,8 @@ class Decoder:
     between chunks (a prompt compressed once, by a prefill-only policy, in one forward: `decode.reading.read`).
     Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
     bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
-    (measured slower; bf16 halves the cache where memory, not time, is short), and the model's
+    (measured slower); fp16 halves the cache at the fp32 step time (the fused attention widens it
+    as it reads, F16C; docs/benchmarks.md), where memory, not time, is short; and the model's
     dtype on a GPU; a `kv` spec with `kv_bits` holds them rounded instead (`kv.quantized`), prompt
     and held conversations included. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
     and the CPU's few-row product is not used. `rows_vary`: rows join and leave between steps (the
@@ -259,12 +261,17 @@ class Decoder:
         """The compiled step once it exists. Its first step over a layout (rows and slots) runs
         dynamo's guards, which pick or compile the graph for it; later steps over the same layout
         check only the guards that tell its graphs apart (`skip_guard_eval_unsafe`): every guard
-        was 1.4 ms of a 10 ms step of the default model (docs/benchmarks.md). Nothing else the
-        step reads changes between those steps."""
+        was 1.4 ms of a 10 ms step of the default model (docs/benchmarks.md). Should dynamo still
+        want another graph there (it raises rather than compile), the step runs guarded again."""
         if self._guarded == self._layout:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self._step(tokens, self.state)
-        logits = self._step(tokens, self.state)
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._step(tokens, self.state)
+            except RuntimeError as exc:  # raised as the frame is entered: nothing has run yet
+                if "skip_guard_eval_unsafe" not in str(exc):
+                    raise
+        with step_graph_limit():
+            logits = self._step(tokens, self.state)
         self._guarded = self._layout
         return logits
 
@@ -291,7 +298,8 @@ class Decoder:
             return self._compiled_step(tokens)
         started = time.perf_counter()
         try:
-            logits = self._step(tokens, self.state)
+            with step_graph_limit():
+                logits = self._step(tokens, self.state)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the same eager step
             self.notify(f"decoding eagerly: compiling the step failed ({type(exc).__name__}: {str(exc)[:120]})")
             self._step, self.mode, self.compile = self._eager, "eager", "never"
@@ -343,3 +351,10 @@ def _inductor_cache():
     from sparsegen.assets import cache_dir
 
     return cache_dir() / "inductor"
+
+
+def step_graph_limit():
+    """Every decoder of a process compiles the same code (`DecodeStep.forward`), and dynamo keeps
+    8 graphs of one code by default, then steps it eagerly without a word: a server's lanes or an
+    evaluation's policies pass that. The limit is raised only while a step may compile."""
+    return torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)

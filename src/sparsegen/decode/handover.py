@@ -159,7 +159,7 @@ def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded:
     rolled_products = (
         codec is None and on_cpu and rolled_per_slot and keys.dtype == torch.float32 and not policy.reads_keys
     )
-    fused_attention = codec is None and on_cpu and keys.dtype == torch.float32
+    fused_attention = codec is None and on_cpu and keys.dtype in (torch.float32, torch.float16)
     return LayerState(
         policy=policy,
         sizes=_row_sizes(parts, device),

@@ -57,7 +57,7 @@ class LayerState:
     `recent_keys`, `recent_values` [b, h, RESIDUAL, d] the ring of each row's newest tokens at full
     precision (`kv.quantized`); `byte_products` multiplies the byte rows directly, `rolled_products`
     rotates full-precision keys to rolling positions inside the product (`kv.kernels`; eager steps),
-    `fused_attention` attends over fp32 slots in one call where no policy reads the probabilities.
+    `fused_attention` attends over fp32 or fp16 slots in one call where no policy reads the probabilities.
     With a `context`, the slots hold each row's own tokens and the rows also attend over the part
     of one shared context each kept (`decode.context`). With `head_of` [b, 1, C], the heads of a
     head-adaptive policy are held flat (`kv.ragged`): keys, values [b, 1, C, d], positions, scores

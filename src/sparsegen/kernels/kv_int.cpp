@@ -1,6 +1,6 @@
 // Attention products over the held KV without a float copy of the cache: over keys and values held
 // as byte rows (kv_scores, kv_mix), and over full-precision keys at rolling positions (rolled_scores);
-// and a decode step's whole attention over fp32 slots in one call (slot_attention).
+// and a decode step's whole attention over fp32 or fp16 slots in one call (slot_attention).
 //
 // Byte rows (sparsegen/kv/quantized.py): each row
 // is D codes (one byte each at 8 bits, two a byte at 4, low nibble first) followed by, per group
@@ -16,10 +16,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SPARSEGEN_AVX2 1
-#endif
+#include "float_lanes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -91,61 +88,9 @@ inline void decode_row(const uint8_t* row, const Rows& r, float* out) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t dim) {
-#ifdef SPARSEGEN_AVX2
-  if (dim % 16 == 0) {
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    for (int64_t c = 0; c < dim; c += 16) {
-      even = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), even);
-      odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), odd);
-    }
-    const __m256 sum = _mm256_add_ps(even, odd);
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-  }
-#endif
-  float acc = 0.f;
-  for (int64_t c = 0; c < dim; ++c) acc += a[c] * b[c];
-  return acc;
-}
-
-inline void add_scaled(float* acc, const float* x, float weight, int64_t dim) {
-#pragma omp simd
-  for (int64_t c = 0; c < dim; ++c) acc[c] += weight * x[c];
-}
-
-// x[i] = exp(x[i] - top) for i < count; returns their sum. AVX2: a degree-6 polynomial on the
-// reduced argument and the power of two put in the exponent bits (about 2 ulp; the arguments are
-// <= 0, so no overflow), where a scalar exp per slot would cost as much as the products.
-inline float exp_shifted(float* x, int64_t count, float top) {
-  float total = 0.f;
-  int64_t i = 0;
-#ifdef SPARSEGEN_AVX2
-  const __m256 shift = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-  const float coefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                                1.6666665459e-1f, 5.0000001201e-1f};
-  __m256 sum = _mm256_setzero_ps();
-  for (; i + 8 <= count; i += 8) {
-    const __m256 a = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift), floor);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, a));
-    __m256 p = _mm256_set1_ps(coefficients[0]);
-    for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coefficients[c]));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(power));
-    _mm256_storeu_ps(x + i, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  for (float lane : lanes) total += lane;
-#endif
-  for (; i < count; ++i) total += (x[i] = std::exp(x[i] - top));
-  return total;
-}
+using lanes::add_scaled;
+using lanes::dot;
+using lanes::exp_shifted;
 
 Rows rows_of(const torch::Tensor& bytes, const torch::Tensor& ring, const torch::Tensor& positions,
              const torch::Tensor& seen, int64_t dim, int64_t bits, int64_t group, const char* what) {
@@ -282,33 +227,21 @@ torch::Tensor rolled_scores(torch::Tensor query, torch::Tensor keys, torch::Tens
   return out;
 }
 
-// One decode step's attention over fp32 slots: softmax(scaling * q . k) . v over each row's live
-// slots (position >= 0; free and dead slots are never read), for query [b, h, g, d], keys and
-// values [b, h, n, d], positions [b, h, n] -> [b, h, g, d]. One pass per (row, KV head, part of
-// the slots), scores kept in L1 and used at once; the parts (so that two cores share three heads)
-// merged by their maxima and sums.
-torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor positions,
-                             double scaling) {
-  const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3), n = keys.size(2);
-  for (const auto& t : {query, keys, values})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 4 && t.size(3) == d,
-                "slot_attention: contiguous fp32 query [b, h, g, d], keys and values [b, h, n, d] expected");
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == b && keys.size(1) == h,
-              "slot_attention: keys and values [b, h, n, d] for query [b, h, g, d] expected");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.dim() == 3 &&
-                  positions.size(0) == b && positions.size(1) == h && positions.size(2) == n,
-              "slot_attention: contiguous int64 positions [b, h, n] expected");
-  const int64_t parts = std::max<int64_t>(1, std::min((2 * at::get_num_threads() + b * h - 1) / (b * h), n / 256));
-  const int64_t span = (n + parts - 1) / parts, items = b * h * parts;
-  std::vector<float> maxima(items * g), sums(items * g), mixed(items * g * d, 0.f);
-  const float *q_all = query.data_ptr<float>(), *k_all = keys.data_ptr<float>(), *v_all = values.data_ptr<float>();
-  const int64_t* p_all = positions.data_ptr<int64_t>();
+// The slots part of one decode step's attention: for each (row, KV head, part of the slots) item,
+// the scores of the live slots (kept in L1 and used at once), their maximum, the sum of their
+// exponentials and the exponential-weighted sum of their values.
+template <typename T>
+void attend_parts(const float* q_all, const T* k_all, const T* v_all, const int64_t* p_all, float scaling,
+                  int64_t g, int64_t d, int64_t n, int64_t parts, int64_t items, float* maxima, float* sums,
+                  float* mixed) {
+  const int64_t span = (n + parts - 1) / parts;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g * span);
     std::vector<int64_t> live(span);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t bh = w / parts, first = (w % parts) * span, last = std::min(n, first + span);
-      const float *q = q_all + bh * g * d, *k = k_all + bh * n * d, *v = v_all + bh * n * d;
+      const float* q = q_all + bh * g * d;
+      const T *k = k_all + bh * n * d, *v = v_all + bh * n * d;
       int64_t count = 0;
       for (int64_t t = first; t < last; ++t) {
         if (p_all[bh * n + t] < 0) continue;
@@ -320,20 +253,53 @@ torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Ten
         maxima[w * g + j] = *std::max_element(s, s + count);
         sums[w * g + j] = exp_shifted(s, count, maxima[w * g + j]);
       }
-      if (!count) std::fill(maxima.begin() + w * g, maxima.begin() + (w + 1) * g, -INFINITY);
+      if (!count) std::fill(maxima + w * g, maxima + (w + 1) * g, -INFINITY);
       for (int64_t i = 0; i < count; ++i)
-        for (int64_t j = 0; j < g; ++j) add_scaled(&mixed[(w * g + j) * d], v + live[i] * d, scores[j * span + i], d);
+        for (int64_t j = 0; j < g; ++j) add_scaled(mixed + (w * g + j) * d, v + live[i] * d, scores[j * span + i], d);
     }
   });
+}
+
+// One decode step's attention over fp32 or fp16 slots: softmax(scaling * q . k) . v over each row's
+// live slots (position >= 0; free and dead slots are never read), for an fp32 query [b, h, g, d],
+// keys and values [b, h, n, d], positions [b, h, n] -> fp32 [b, h, g, d]. One pass per (row, KV
+// head, part of the slots); the parts (so that two cores share three heads) merged by their maxima
+// and sums.
+torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor positions,
+                             double scaling) {
+  const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3), n = keys.size(2);
+  const auto held = keys.scalar_type();
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && (held == torch::kFloat || held == torch::kHalf) &&
+                  values.scalar_type() == held,
+              "slot_attention: an fp32 query, and keys and values both fp32 or both fp16 expected");
+  for (const auto& t : {query, keys, values})
+    TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && t.size(3) == d,
+                "slot_attention: contiguous query [b, h, g, d], keys and values [b, h, n, d] expected");
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == b && keys.size(1) == h,
+              "slot_attention: keys and values [b, h, n, d] for query [b, h, g, d] expected");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.dim() == 3 &&
+                  positions.size(0) == b && positions.size(1) == h && positions.size(2) == n,
+              "slot_attention: contiguous int64 positions [b, h, n] expected");
+  const int64_t parts = std::max<int64_t>(1, std::min((2 * at::get_num_threads() + b * h - 1) / (b * h), n / 256));
+  const int64_t items = b * h * parts;
+  std::vector<float> maxima(items * g), sums(items * g), mixed(items * g * d, 0.f);
+  const float* q = query.data_ptr<float>();
+  const int64_t* p = positions.data_ptr<int64_t>();
+  if (held == torch::kHalf)
+    attend_parts(q, keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>(), p, scaling, g, d, n, parts, items,
+                 maxima.data(), sums.data(), mixed.data());
+  else
+    attend_parts(q, keys.data_ptr<float>(), values.data_ptr<float>(), p, scaling, g, d, n, parts, items,
+                 maxima.data(), sums.data(), mixed.data());
   auto out = torch::zeros_like(query);
   float* o = out.data_ptr<float>();
   for (int64_t bh = 0; bh < b * h; ++bh)
     for (int64_t j = 0; j < g; ++j) {
       float top = -INFINITY, total = 0.f;
-      for (int64_t p = 0; p < parts; ++p) top = std::max(top, maxima[(bh * parts + p) * g + j]);
+      for (int64_t part = 0; part < parts; ++part) top = std::max(top, maxima[(bh * parts + part) * g + j]);
       if (top == -INFINITY) continue;  // no live slot: zeros
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t at = (bh * parts + p) * g + j;
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t at = (bh * parts + part) * g + j;
         if (maxima[at] == -INFINITY) continue;
         const float weight = std::exp(maxima[at] - top);
         total += weight * sums[at];

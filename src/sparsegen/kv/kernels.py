@@ -5,7 +5,7 @@ probabilities times the held values, both over byte rows with the ring of newest
 (`kv.quantized`; 8 and 4 bits, `reads_bytes`; a rotated codec's rows are multiplied in its rotated
 space, the query and ring rotated in and the mixed values rotated out); `rolled_scores` the products
 with full-precision keys rotated to rolling positions on the fly (`kv.rope`); `slot_attention` a
-decode step's whole attention over fp32 slots (scores, softmax and value sum in one pass, free
+decode step's whole attention over fp32 or fp16 slots (scores, softmax and value sum in one pass, free
 slots never read). Ops registered with torch's
 dispatcher from C++ (`kernels/kv_int.cpp`; one opaque call in a compiled step, with a meta implementation
 for tracing; callable once `kernels_available()`) that decode or rotate one row at a time into a
@@ -73,8 +73,8 @@ def slot_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """softmax(scaling * query [b, h, g, d] . keys [b, h, n, d]) . values over each row's live
-    slots (positions [b, h, n] >= 0), fp32 [b, h, g, d]: one call for what is otherwise two
-    products, a mask and a softmax over every slot."""
+    slots (positions [b, h, n] >= 0; keys and values fp32 or fp16), fp32 [b, h, g, d]: one call
+    for what is otherwise two products, a mask and a softmax over every slot."""
     return torch.ops.sparsegen.slot_attention(
         query.float().contiguous(), keys.contiguous(), values.contiguous(), positions.contiguous(), scaling
     )

@@ -1,0 +1,93 @@
+// The float arithmetic the KV kernels share: a query's dot product with a held row and a
+// probability-weighted sum of held rows, over rows held in fp32 or fp16 (F16C widens eight halves
+// in one instruction, so an fp16 row costs half the bytes of an fp32 one and no more work), and
+// exp over a row of scores.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPARSEGEN_AVX2 1
+#endif
+
+namespace lanes {
+
+#ifdef SPARSEGEN_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// a . b for an fp32 a and an fp32 or fp16 b.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t dim) {
+#ifdef SPARSEGEN_AVX2
+  if (dim % 16 == 0) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) {
+      even = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), load8(b + c), even);
+      odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), load8(b + c + 8), odd);
+    }
+    const __m256 sum = _mm256_add_ps(even, odd);
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t c = 0; c < dim; ++c) acc += a[c] * static_cast<float>(b[c]);
+  return acc;
+}
+
+// acc += weight * x for an fp32 or fp16 x.
+template <typename T>
+inline void add_scaled(float* acc, const T* x, float weight, int64_t dim) {
+#ifdef SPARSEGEN_AVX2
+  if (dim % 8 == 0) {
+    const __m256 w = _mm256_set1_ps(weight);
+    for (int64_t c = 0; c < dim; c += 8)
+      _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(w, load8(x + c), _mm256_loadu_ps(acc + c)));
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < dim; ++c) acc[c] += weight * static_cast<float>(x[c]);
+}
+
+// x[i] = exp(x[i] - top) for i < count; returns their sum. AVX2: a degree-6 polynomial on the
+// reduced argument and the power of two put in the exponent bits (about 2 ulp; the arguments are
+// <= 0, so no overflow), where a scalar exp per slot would cost as much as the products.
+inline float exp_shifted(float* x, int64_t count, float top) {
+  float total = 0.f;
+  int64_t i = 0;
+#ifdef SPARSEGEN_AVX2
+  const __m256 shift = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const float coefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                1.6666665459e-1f, 5.0000001201e-1f};
+  __m256 sum = _mm256_setzero_ps();
+  for (; i + 8 <= count; i += 8) {
+    const __m256 a = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift), floor);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, a));
+    __m256 p = _mm256_set1_ps(coefficients[0]);
+    for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coefficients[c]));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  for (float lane : lanes) total += lane;
+#endif
+  for (; i < count; ++i) total += (x[i] = std::exp(x[i] - top));
+  return total;
+}
+
+}  // namespace lanes
