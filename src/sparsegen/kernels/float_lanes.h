@@ -58,6 +58,65 @@ inline void add_scaled(float* acc, const T* x, float weight, int64_t dim) {
   for (int64_t c = 0; c < dim; ++c) acc[c] += weight * static_cast<float>(x[c]);
 }
 
+#ifdef SPARSEGEN_AVX2
+// The eight lanes' sums of eight vectors, in their order.
+inline __m256 sums_of_eight(const __m256* a) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 more = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(pairs, more, 0x20), _mm256_permute2f128_ps(pairs, more, 0x31));
+}
+#endif
+
+// out[i] = scale * (q . rows[live[i]]) for i < count, rows of `dim` fp32 or fp16 numbers. Eight
+// rows at a time, each row's sum kept in its own register and the eight summed across lanes once:
+// one horizontal sum per eight rows instead of one per row.
+template <typename T>
+inline void scores_of_rows(float* out, const float* q, const T* rows, const int64_t* live, int64_t count,
+                           int64_t dim, float scale) {
+  int64_t i = 0;
+#ifdef SPARSEGEN_AVX2
+  if (dim % 8 == 0) {
+    for (; i + 8 <= count; i += 8) {
+      __m256 acc[8];
+      const T* row[8];
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps(), row[k] = rows + live[i + k] * dim;
+      for (int64_t c = 0; c < dim; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qc, load8(row[k] + c), acc[k]);
+      }
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(sums_of_eight(acc), _mm256_set1_ps(scale)));
+    }
+  }
+#endif
+  for (; i < count; ++i) out[i] = dot(q, rows + live[i] * dim, dim) * scale;
+}
+
+// out = sum over i < count of weights[i] * rows[live[i]], rows of `dim` fp32 or fp16 numbers; the
+// sums held in registers 64 channels at a time rather than stored and loaded again per row.
+template <typename T>
+inline void mix_rows(float* out, const T* rows, const int64_t* live, const float* weights, int64_t count,
+                     int64_t dim) {
+#ifdef SPARSEGEN_AVX2
+  if (dim % 64 == 0) {
+    for (int64_t c0 = 0; c0 < dim; c0 += 64) {
+      __m256 acc[8];
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < count; ++i) {
+        const T* row = rows + live[i] * dim + c0;
+        const __m256 w = _mm256_set1_ps(weights[i]);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(w, load8(row + 8 * k), acc[k]);
+      }
+      for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + c0 + 8 * k, acc[k]);
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < dim; ++c) out[c] = 0.f;
+  for (int64_t i = 0; i < count; ++i) add_scaled(out, rows + live[i] * dim, weights[i], dim);
+}
+
 // x[i] = exp(x[i] - top) for i < count; returns their sum. AVX2: a degree-6 polynomial on the
 // reduced argument and the power of two put in the exponent bits (about 2 ulp; the arguments are
 // <= 0, so no overflow), where a scalar exp per slot would cost as much as the products.

@@ -243,19 +243,16 @@ void attend_parts(const float* q_all, const T* k_all, const T* v_all, const int6
       const float* q = q_all + bh * g * d;
       const T *k = k_all + bh * n * d, *v = v_all + bh * n * d;
       int64_t count = 0;
-      for (int64_t t = first; t < last; ++t) {
-        if (p_all[bh * n + t] < 0) continue;
-        for (int64_t j = 0; j < g; ++j) scores[j * span + count] = dot(q + j * d, k + t * d, d) * scaling;
-        live[count++] = t;
-      }
+      for (int64_t t = first; t < last; ++t)
+        if (p_all[bh * n + t] >= 0) live[count++] = t;
       for (int64_t j = 0; j < g && count; ++j) {
         float* s = scores.data() + j * span;
+        lanes::scores_of_rows(s, q + j * d, k, live.data(), count, d, scaling);
         maxima[w * g + j] = *std::max_element(s, s + count);
         sums[w * g + j] = exp_shifted(s, count, maxima[w * g + j]);
+        lanes::mix_rows(mixed + (w * g + j) * d, v, live.data(), s, count, d);
       }
       if (!count) std::fill(maxima + w * g, maxima + (w + 1) * g, -INFINITY);
-      for (int64_t i = 0; i < count; ++i)
-        for (int64_t j = 0; j < g; ++j) add_scaled(mixed + (w * g + j) * d, v + live[i] * d, scores[j * span + i], d);
     }
   });
 }
