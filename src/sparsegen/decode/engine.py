@@ -38,10 +38,10 @@ COMPILE_AFTER = 64  # eager steps before "auto" considers compiling
 COMPILE_PAYS_AFTER = 512  # steps still to come for a compile to pay back (see docs/benchmarks.md)
 PREFILL_ROWS = 4  # rows read in one prefill forward: bounds the dense prompt KV held before eviction
 LEAN_WRAPPER = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
-STEP_GRAPHS = 64  # graphs of the decode step kept per process: every decoder's count against one limit
 """Inductor checks every input's size and alignment again in the graph's Python wrapper, after
 dynamo's guards have: about 850 checks a step at 30 layers, 0.6-1.7 ms of a 13 ms int4 step
 (docs/benchmarks.md)."""
+STEP_GRAPHS = 64  # graphs of the decode step kept per process: every decoder's count against one limit
 
 
 def _say_to_stderr(message: str) -> None:
