@@ -76,6 +76,26 @@ def test_product_equals_the_decoded_weight_times_the_rounded_input(qtype, rows):
     assert np.all(np.abs(got - expected) <= 2e-6 * bound + 1e-30), np.abs(got - expected).max()
 
 
+@pytest.mark.parametrize("qtype", gguf_blocks.PANEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17])
+def test_panels_hold_the_same_bytes_and_their_product_equals_the_decoded_weight_times_the_rounded_input(qtype, rows):
+    out, inputs = 24, 512
+    blocks = torch.from_numpy(random_blocks(qtype, out, inputs, seed=rows))
+    panels = torch.ops.sparsegen.gguf_panels(blocks, int(qtype), inputs, False)
+    assert not torch.equal(panels, blocks)
+    assert torch.equal(torch.sort(panels.flatten()).values, torch.sort(blocks.flatten()).values)  # a permutation
+    assert torch.equal(torch.ops.sparsegen.gguf_panels(panels, int(qtype), inputs, True), blocks)
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows))
+    weight = dequantize(blocks.numpy(), qtype).reshape(out, inputs).astype(np.float64)
+    rounded = rounded_reference(x.numpy(), qtype)
+    expected, bound = rounded @ weight.T, np.abs(rounded) @ np.abs(weight).T
+    got = torch.ops.sparsegen.gguf_panel_linear(x, panels, int(qtype), inputs).numpy()
+    assert np.all(np.abs(got - expected) <= 2e-6 * bound + 1e-30), np.abs(got - expected).max()
+    layer = GGUFLinear(blocks, qtype, inputs)
+    assert layer.paneled and torch.equal(layer.blocks, panels)
+    assert torch.equal(layer.weight(), torch.from_numpy(weight.astype(np.float32)))
+
+
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
 def test_many_rows_in_several_groups_and_each_row_as_alone(qtype):
     """Rows past one L2 group (2048 inputs: 128 rows a group), and each row's bits the same alone."""

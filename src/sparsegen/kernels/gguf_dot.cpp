@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "gguf_blocks.h"
+#include "gguf_panels.h"
 
 #include <algorithm>
 
@@ -86,22 +87,31 @@ void tile(int64_t format, const uint8_t* w, int64_t blocks, const Rounded& r, in
 
 }  // namespace
 
-// x [rows, in] fp32 times the GGUF tensor `blocks` [out, row_bytes] of ggml type `format` -> [rows, out] fp32.
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format, int64_t in) {
-  const FormatInfo f = info_of(format);
+// The checks both products make: x fp32 [rows, in], blocks uint8 [out, row bytes]; returns blocks a row.
+int64_t checked_blocks(const torch::Tensor& x, const torch::Tensor& blocks, const FormatInfo& f, int64_t in) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == in,
               "gguf_linear: x must be fp32 [rows, ", in, "], contiguous");
   TORCH_CHECK(in % f.per_block == 0, "gguf_linear: ", in, " inputs are not whole blocks of ", f.per_block);
-  const int64_t rows = x.size(0), out_features = blocks.size(0), per_row = in / f.per_block;
+  const int64_t per_row = in / f.per_block;
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous() &&
                   blocks.size(1) == per_row * f.block_bytes,
               "gguf_linear: blocks must be uint8 [out, ", per_row * f.block_bytes, "], contiguous");
+  return per_row;
+}
+
+// Input rows in groups whose codes stay in L2 while every output passes over them.
+int64_t row_group(int64_t in) { return std::max<int64_t>(kTile, kGroupBytes / in / kTile * kTile); }
+
+// x [rows, in] fp32 times the GGUF tensor `blocks` [out, row_bytes] of ggml type `format` -> [rows, out] fp32.
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format, int64_t in) {
+  const FormatInfo f = info_of(format);
+  const int64_t per_row = checked_blocks(x, blocks, f, in), rows = x.size(0), out_features = blocks.size(0);
   const Rounded r = round_rows(x.data_ptr<float>(), rows, in, f.k_quant);
   auto out = torch::empty({rows, out_features}, x.options());
   float* o = out.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t group = std::max<int64_t>(kTile, kGroupBytes / in / kTile * kTile);
-  for (int64_t first_row = 0; first_row < rows; first_row += group) {  // inputs in L2, every output over them
+  const int64_t group = row_group(in);
+  for (int64_t first_row = 0; first_row < rows; first_row += group) {
     const int64_t last_row = std::min(rows, first_row + group);
     at::parallel_for(0, out_features, 8, [&](int64_t first, int64_t last) {
       float result[kTile];
@@ -114,6 +124,47 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format,
       }
     });
   }
+  return out;
+}
+
+// The same product over `panels`, the tensor as `gguf_panels` repacked it (Q4_0, Q4_1; gguf_panels.h).
+torch::Tensor gguf_panel_linear(torch::Tensor x, torch::Tensor panels, int64_t format, int64_t in) {
+  TORCH_CHECK(panel_format(format), "gguf_panel_linear: panels are Q4_0 or Q4_1, not ggml type ", format);
+  const FormatInfo f = info_of(format);
+  const int64_t per_row = checked_blocks(x, panels, f, in), rows = x.size(0), out_features = panels.size(0);
+  TORCH_CHECK(out_features % kPanel == 0, "gguf_panel_linear: ", out_features, " outputs are not whole panels");
+  const Rounded r = round_rows(x.data_ptr<float>(), rows, in, false);
+  auto out = torch::empty({rows, out_features}, x.options());
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  const int64_t group = row_group(in), panel_bytes = per_row * kPanel * f.block_bytes;
+  for (int64_t first_row = 0; first_row < rows; first_row += group) {
+    const int64_t last_row = std::min(rows, first_row + group);
+    at::parallel_for(0, out_features / kPanel, 2, [&](int64_t first, int64_t last) {
+      float result[kTile * kPanel];
+      for (int64_t p = first; p < last; ++p) {
+        for (int64_t row0 = first_row; row0 < last_row; row0 += kTile) {
+          const int count = static_cast<int>(std::min<int64_t>(kTile, last_row - row0));
+          panel_tile_any(format, w + p * panel_bytes, per_row, r, row0, count, result);
+          for (int k = 0; k < count; ++k)
+            std::copy_n(result + kPanel * k, kPanel, o + (row0 + k) * out_features + p * kPanel);
+        }
+      }
+    });
+  }
+  return out;
+}
+
+// A Q4_0 / Q4_1 tensor's file rows as panels, or (`inverse`) panels back to the file's rows.
+torch::Tensor gguf_panels(torch::Tensor blocks, int64_t format, int64_t in, bool inverse) {
+  TORCH_CHECK(panel_format(format), "gguf_panels: panels are Q4_0 or Q4_1, not ggml type ", format);
+  const FormatInfo f = info_of(format);
+  const int64_t per_row = in / f.per_block;
+  TORCH_CHECK(in % f.per_block == 0 && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) == per_row * f.block_bytes && blocks.size(0) % kPanel == 0,
+              "gguf_panels: blocks must be uint8 [a multiple of ", kPanel, ", ", per_row * f.block_bytes, "]");
+  auto out = torch::empty_like(blocks);
+  permute_panels(blocks.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), format, blocks.size(0), per_row, inverse);
   return out;
 }
 
@@ -173,14 +224,21 @@ torch::Tensor gguf_weight(torch::Tensor blocks, int64_t format, int64_t in, at::
 
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int format, int in_features) -> Tensor");
+  m.def("gguf_panel_linear(Tensor x, Tensor panels, int format, int in_features) -> Tensor");
+  m.def("gguf_panels(Tensor blocks, int format, int in_features, bool inverse) -> Tensor");
   m.def("gguf_rounded_input(Tensor x, int format) -> Tensor");
   m.def("gguf_weight(Tensor blocks, int format, int in_features, ScalarType dtype) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_panel_linear", &gguf_panel_linear);
+  m.impl("gguf_panels", &gguf_panels);
   m.impl("gguf_rounded_input", &gguf_rounded_input);
   m.impl("gguf_weight", &gguf_weight);
 }
-TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("gguf_linear", &gguf_linear_meta); }
+TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
+  m.impl("gguf_linear", &gguf_linear_meta);
+  m.impl("gguf_panel_linear", &gguf_linear_meta);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,0 +1,132 @@
+// Q4_0 and Q4_1 tensors repacked once at load into panels of eight output rows, so that one
+// decode step's product is whole-vector work: each integer dot yields eight outputs' partial sums in
+// eight lanes, and each block's fp16 scales (and Q4_1's minimums) of the eight rows are one load.
+// The file's row-major blocks ask instead for a horizontal sum and a scalar scale per row and block,
+// about 7 cycles a block on a Zen 4, which made the default model's products compute-bound.
+//
+// One panel-block (eight rows' block b, 8 * block_bytes bytes, the same bytes permuted):
+//   [8 fp16 d][8 fp16 m, Q4_1 only][codes: 4 groups of 32 bytes]
+// Group g holds row r's nibble bytes 4g..4g+3 at bytes 4r..4r+3: low nibbles are the row's
+// inputs 4g..4g+3, high nibbles inputs 16+4g..16+4g+3 (the file's byte j: input j low, j + 16 high).
+// So four input codes broadcast to every lane meet eight rows' four codes in one vpdpbusd.
+//
+// Included by gguf_dot.cpp after gguf_blocks.h (its namespace and pieces: Rounded, load32, sum-free).
+#pragma once
+
+constexpr int64_t kPanel = 8;
+
+inline bool panel_format(int64_t format) { return format == kQ4_0 || format == kQ4_1; }
+
+// Where byte j of row r's file block sits in its panel-block.
+inline int64_t panel_byte(int64_t format, int64_t r, int64_t j) {
+  const int64_t header = format == kQ4_1 ? 4 : 2, codes = format == kQ4_1 ? 32 : 16;
+  if (j < 2) return 2 * r + j;                       // d
+  if (j < header) return 16 + 2 * r + (j - 2);       // m
+  const int64_t q = j - header;                      // nibble byte q of 16
+  return codes + 32 * (q / 4) + 4 * r + q % 4;
+}
+
+// File rows [out, blocks * block_bytes] to panels (or back, `inverse`); out a multiple of kPanel.
+void permute_panels(const uint8_t* from, uint8_t* to, int64_t format, int64_t out, int64_t blocks, bool inverse) {
+  const int64_t block_bytes = info_of(format).block_bytes;
+  at::parallel_for(0, out / kPanel, 16, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t panel_at = (p * blocks + b) * kPanel * block_bytes;
+        for (int64_t r = 0; r < kPanel; ++r) {
+          const int64_t file_at = ((p * kPanel + r) * blocks + b) * block_bytes;
+          for (int64_t j = 0; j < block_bytes; ++j) {
+            const int64_t at = panel_at + panel_byte(format, r, j);
+            if (inverse)
+              to[file_at + j] = from[at];
+            else
+              to[at] = from[file_at + j];
+          }
+        }
+      }
+    }
+  });
+}
+
+#ifdef SPARSEGEN_AVX2
+// Unsigned codes times signed input bytes, four products a lane summed into acc (exact in int32).
+inline __m256i dot_quads(__m256i acc, __m256i u, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, a);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i quad_of(const int8_t* a) {
+  int32_t four;
+  std::memcpy(&four, a, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// One panel (eight outputs) times input rows [row0, row0 + kRows): result[k * 8 + r].
+// Per block: d * step * (u . a) + m * step * sum(a), Q4_0's m being -8 d.
+template <int64_t F, int kRows>
+void panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, float* result) {
+  constexpr int64_t kBytes = kPanel * (F == kQ4_1 ? 20 : 18), kCodes = F == kQ4_1 ? 32 : 16;
+  __m256 scaled[kRows], offset[kRows];
+  for (int k = 0; k < kRows; ++k) scaled[k] = offset[k] = _mm256_setzero_ps();
+  const __m256i fifteen = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b, p += kBytes) {
+    __m256i low[kRows], high[kRows];
+    for (int k = 0; k < kRows; ++k) low[k] = high[k] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i q = load32(p + kCodes + 32 * g);
+      const __m256i lo = _mm256_and_si256(q, fifteen), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), fifteen);
+      for (int k = 0; k < kRows; ++k) {
+        const int8_t* a = r.codes.data() + ((row0 + k) * blocks + b) * 32;
+        low[k] = dot_quads(low[k], lo, quad_of(a + 4 * g));
+        high[k] = dot_quads(high[k], hi, quad_of(a + 16 + 4 * g));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 m = F == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t at = (row0 + k) * blocks + b;
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(low[k], high[k]));
+      scaled[k] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(r.step[at])), scaled[k]);
+      offset[k] = _mm256_fmadd_ps(m, _mm256_set1_ps(r.step_sum[at]), offset[k]);
+    }
+  }
+  for (int k = 0; k < kRows; ++k) _mm256_storeu_ps(result + 8 * k, _mm256_add_ps(scaled[k], offset[k]));
+}
+
+template <int64_t F>
+void panel_tile(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, int count, float* result) {
+  switch (count) {
+    case 1: return panel_rows<F, 1>(p, blocks, r, row0, result);
+    case 2: return panel_rows<F, 2>(p, blocks, r, row0, result);
+    case 3: return panel_rows<F, 3>(p, blocks, r, row0, result);
+    default: return panel_rows<F, 4>(p, blocks, r, row0, result);
+  }
+}
+#endif
+
+// One panel times up to four input rows, any CPU: each row's file block put back, then the plain product.
+void panel_tile_any(int64_t format, const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, int count,
+                    float* result) {
+#ifdef SPARSEGEN_AVX2
+  if (format == kQ4_1) return panel_tile<kQ4_1>(p, blocks, r, row0, count, result);
+  return panel_tile<kQ4_0>(p, blocks, r, row0, count, result);
+#else
+  const int64_t block_bytes = info_of(format).block_bytes;
+  uint8_t block[32];
+  for (int k = 0; k < count; ++k) {
+    for (int64_t n = 0; n < kPanel; ++n) {
+      float sum = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* panel_block = p + b * kPanel * block_bytes;
+        for (int64_t j = 0; j < block_bytes; ++j) block[j] = panel_block[panel_byte(format, n, j)];
+        sum += plain_block_product(format, block, r, row0 + k, b);
+      }
+      result[8 * k + n] = sum;
+    }
+  }
+#endif
+}
