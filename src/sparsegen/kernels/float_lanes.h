@@ -92,7 +92,7 @@ inline void scores_of_rows(float* out, const float* q, const T* rows, const int6
   for (; i < count; ++i) out[i] = dot(q, rows + live[i] * dim, dim) * scale;
 }
 
-// out = sum over i < count of weights[i] * rows[live[i]], rows of `dim` fp32 or fp16 numbers; the
+// out += sum over i < count of weights[i] * rows[live[i]], rows of `dim` fp32 or fp16 numbers; the
 // sums held in registers 64 channels at a time rather than stored and loaded again per row.
 template <typename T>
 inline void mix_rows(float* out, const T* rows, const int64_t* live, const float* weights, int64_t count,
@@ -101,7 +101,7 @@ inline void mix_rows(float* out, const T* rows, const int64_t* live, const float
   if (dim % 64 == 0) {
     for (int64_t c0 = 0; c0 < dim; c0 += 64) {
       __m256 acc[8];
-      for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_loadu_ps(out + c0 + 8 * k);
       for (int64_t i = 0; i < count; ++i) {
         const T* row = rows + live[i] * dim + c0;
         const __m256 w = _mm256_set1_ps(weights[i]);
@@ -113,7 +113,6 @@ inline void mix_rows(float* out, const T* rows, const int64_t* live, const float
     return;
   }
 #endif
-  for (int64_t c = 0; c < dim; ++c) out[c] = 0.f;
   for (int64_t i = 0; i < count; ++i) add_scaled(out, rows + live[i] * dim, weights[i], dim);
 }
 

@@ -227,6 +227,8 @@ torch::Tensor rolled_scores(torch::Tensor query, torch::Tensor keys, torch::Tens
   return out;
 }
 
+constexpr int64_t kSlotBlock = 32;  // slots whose keys (values) stay in L1 while every query of their head reads them
+
 // The slots part of one decode step's attention: for each (row, KV head, part of the slots) item,
 // the scores of the live slots (kept in L1 and used at once), their maximum, the sum of their
 // exponentials and the exponential-weighted sum of their values.
@@ -245,12 +247,20 @@ void attend_parts(const float* q_all, const T* k_all, const T* v_all, const int6
       int64_t count = 0;
       for (int64_t t = first; t < last; ++t)
         if (p_all[bh * n + t] >= 0) live[count++] = t;
+      for (int64_t t = 0; t < count; t += kSlotBlock) {  // each block of keys from memory once, then L1
+        const int64_t m = std::min(kSlotBlock, count - t);
+        for (int64_t j = 0; j < g; ++j)
+          lanes::scores_of_rows(scores.data() + j * span + t, q + j * d, k, live.data() + t, m, d, scaling);
+      }
       for (int64_t j = 0; j < g && count; ++j) {
         float* s = scores.data() + j * span;
-        lanes::scores_of_rows(s, q + j * d, k, live.data(), count, d, scaling);
         maxima[w * g + j] = *std::max_element(s, s + count);
         sums[w * g + j] = exp_shifted(s, count, maxima[w * g + j]);
-        lanes::mix_rows(mixed + (w * g + j) * d, v, live.data(), s, count, d);
+      }
+      for (int64_t t = 0; t < count; t += kSlotBlock) {  // values likewise, into every query's sums
+        const int64_t m = std::min(kSlotBlock, count - t);
+        for (int64_t j = 0; j < g; ++j)
+          lanes::mix_rows(mixed + (w * g + j) * d, v, live.data() + t, scores.data() + j * span + t, m, d);
       }
       if (!count) std::fill(maxima + w * g, maxima + (w + 1) * g, -INFINITY);
     }
