@@ -59,3 +59,18 @@ def test_full_cache_decodes_the_same_with_and_without_the_fused_attention(arch, 
     without = generate(model, prompts, 20, decoder=plain)
     assert not any(layer.fused_attention for layer in plain.state.layers)
     assert with_kernel.tokens == without.tokens
+
+
+@pytest.mark.parametrize(("kv", "held"), [("full", torch.float16), ("h2o", torch.float32), ("streaming", torch.float32)])
+def test_a_cpu_decoder_holds_fp16_only_where_every_layer_attends_in_the_fused_kernel(kv, held, monkeypatch):
+    import sparsegen.decode.handover as handover
+
+    model = build_tiny("llama")
+    prompt = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    decoder = Decoder(model, kv, compile="never")
+    generate(model, [prompt], 4, decoder=decoder)
+    assert decoder.kv_dtype == held and all(layer.keys.dtype == held for layer in decoder.state.layers)
+    monkeypatch.setattr(handover, "kernels_available", lambda: False)  # no kernel to read fp16: fp32
+    plain = Decoder(model, kv, compile="never")
+    generate(model, [prompt], 4, decoder=plain)
+    assert plain.kv_dtype == torch.float32

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsegen.decode.handover import slots_of, stack_layer
+from sparsegen.decode.handover import held_kv_dtype, slots_of, stack_layer
 from sparsegen.decode.reading import read
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.decode.static import StaticKV
@@ -62,10 +62,11 @@ class Decoder:
     waits for a compile), "always", or "never". Compiled code is cached on disk between runs.
     Prompts are read `prefill_chunk` tokens per forward (None: one forward), the policy evicting
     between chunks (a prompt compressed once, by a prefill-only policy, in one forward: `decode.reading.read`).
-    Keys and values are stored in `kv_dtype`: by default fp32 on a CPU, also under
-    bf16 weights, since CPUs without bf16 instructions convert a bf16 cache back at every step
-    (measured slower); fp16 halves the cache at the fp32 step time (the fused attention widens it
-    as it reads, F16C; docs/benchmarks.md), where memory, not time, is short; and the model's
+    Keys and values are stored in `kv_dtype`: by default on a CPU fp16 where every layer attends in
+    the fused kernel (a full cache, a prompt-only policy: half the bytes, as llama.cpp's default) and
+    fp32 where Python's products read the cache (eviction while decoding, rolled positions, heads held
+    flat, a shared context; `decode.handover.held_kv_dtype`), also under bf16 weights, since CPUs
+    without bf16 instructions convert a bf16 cache back at every step (measured slower); the model's
     dtype on a GPU; a `kv` spec with `kv_bits` holds them rounded instead (`kv.quantized`), prompt
     and held conversations included. On a GPU the compiled step is replayed as a CUDA graph (`reduce-overhead`),
     and the CPU's few-row product is not used. `rows_vary`: rows join and leave between steps (the
@@ -96,7 +97,7 @@ class Decoder:
         self.kv = KVSpec.coerce(kv)
         self.compile = compile
         on_cpu = self.device.type == "cpu"
-        self.kv_dtype = kv_dtype or (torch.float32 if on_cpu else next(model.parameters()).dtype)
+        self.kv_dtype = kv_dtype or (None if on_cpu else next(model.parameters()).dtype)  # None: at join
         self.notify = notify
         self.prefill_chunk = prefill_chunk
         self.rows_vary = rows_vary
@@ -149,8 +150,11 @@ class Decoder:
         `context` they were all made from (`SharedPrefill.cache_for`), rows that keep every new
         token read its keys and values once per step instead of each a copy (`decode.handover`)."""
         layers, batch = [], self.state.layers if self.rows else None
-        for index in range(len(caches[0].layers)):
-            parts = [slots_of(cache.layers[index]) for cache in caches]
+        held = [[slots_of(layer) for layer in cache.layers] for cache in caches]
+        by_layer = [list(parts) for parts in zip(*held, strict=True)]
+        if self.kv_dtype is None:  # chosen at the first join, kept for the rows that join later
+            self.kv_dtype = held_kv_dtype(by_layer, context is not None)
+        for index, parts in enumerate(by_layer):
             shared = None if context is None else context.layer_kv(index)
             slots = 0 if batch is None else batch[index].keys.shape[2]  # the batch's: no second copy to grow
             layers.append(stack_layer(parts, max_new_tokens, self.kv_dtype, shared, slots))

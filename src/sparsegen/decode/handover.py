@@ -32,6 +32,26 @@ def reads_shared_context(policy: Policy, rolled: bool, quantized: bool) -> bool:
     return not quantized and (not rolled or policy.contiguous)
 
 
+def held_kv_dtype(layers: list[list[HeldSlots]], shared: bool) -> torch.dtype:
+    """The dtype a batch holds keys and values in when none is asked for: on a CPU with the kernels,
+    fp16 where every layer attends in the fused kernel (no eviction while decoding, no rolled
+    positions, no heads held flat, no codec, no shared context), which widens fp16 as it reads: half
+    the bytes of a step's attention, as llama.cpp's default KV. Zen 4, 1k context: 11.6 -> 10.0 ms a
+    token for the default model, about 2 ms of 40 for the 1.5B (docs/benchmarks.md). fp32 elsewhere,
+    where PyTorch's products would convert an fp16 cache back at every step."""
+    parts = [part for layer in layers for part in layer]
+    fused = (
+        not shared
+        and parts[0].keys.device.type == "cpu"
+        and kernels_available()
+        and all(
+            part.codec is None and not part.evicting and part.rotation is None and not part.policy.head_adaptive
+            for part in parts
+        )
+    )
+    return torch.float16 if fused else torch.float32
+
+
 def stack_layer(
     parts: list[HeldSlots],
     max_new_tokens: int,
