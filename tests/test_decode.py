@@ -347,3 +347,13 @@ def test_decoders_past_dynamos_graph_limit_still_compile_and_equal_eager():
             compiled = generate(model, prompt, 8, spec, compile="always", eos_token_id=[])
         assert counters["stats"]["unique_graphs"] > graphs, arch  # compiled, not stepped eagerly
         assert compiled.tokens == eager.tokens, arch
+
+
+def test_a_reused_decoder_counts_only_the_compile_time_of_the_call_that_compiled():
+    model = build_tiny("llama")
+    decoder = Decoder(model, compile="always", notify=lambda _: None)
+    first = generate(model, [list(range(3, 19))], 6, decoder=decoder, eos_token_id=[])
+    second = generate(model, [list(range(3, 19))], 6, decoder=decoder, eos_token_id=[])
+    assert first.compile_s > 0 and second.compile_s == 0
+    assert second.decode_steps == first.decode_steps + 1 and second.decode_s > 0  # every step of this call timed
+    decoder.release()

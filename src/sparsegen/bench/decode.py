@@ -45,7 +45,7 @@ def fast_decode_worker(
     """Per-step time of the fast path after `context` tokens per row under the KV spec `kv` (a
     packed checkpoint's products as integer dots with `activation_bits=8`), and the first row's tokens."""
 
-    from sparsegen.decode import generate
+    from sparsegen.decode import Decoder, generate
     from sparsegen.loading import load
     from sparsegen.rss import peak_rss_mb
 
@@ -53,9 +53,11 @@ def fast_decode_worker(
     model, tokenizer = load(model_name, dtype=DTYPES[dtype], device=device, activation_bits=activation_bits)
     prompts = text_stretches(tokenizer, text, rows, context)
     kv = KVSpec.coerce(kv)
-    options = {"compile": "always", "eos_token_id": []}
-    warm = generate(model, prompts, 8, kv, **options)  # compiles; the first run's steps are slower
-    out = generate(model, prompts, new_tokens, kv, **options)
+    decoder = Decoder(model, kv, compile="always")  # kept: its KV dtype is chosen as rows join
+    warm = generate(model, prompts, 8, kv, eos_token_id=[], decoder=decoder)  # compiles; first steps are slower
+    out = generate(model, prompts, new_tokens, kv, eos_token_id=[], decoder=decoder)
+    kv_dtype = decoder.kv_dtype
+    decoder.release()
     held = min(context, kv.policy.sizes(context).budget) if kv.policy.budget_parts() else context
     return {
         "ms": out.ms_per_step,
@@ -64,7 +66,7 @@ def fast_decode_worker(
         "prefill_s": out.prefill_s,
         "rss": peak_rss_mb(),
         "weight_mb": weight_bytes(model) / 1e6,
-        "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, kv_bits=kv.kv_bits) / 1e6,
+        "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, kv_dtype, kv.kv_bits) / 1e6,
         "tokens": [int(token) for token in out.tokens[0]],
     }
 

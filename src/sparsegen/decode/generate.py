@@ -112,17 +112,19 @@ def generate(
         options = {"notify": notify} if notify is not None else {}
         decoder = Decoder(model, kv, compile=compile, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, **options)
     sample = _sampler(len(prompts), temperature, top_p, seed)
+    compiled_before = decoder.compile_s  # a passed decoder may have compiled in an earlier call
     with policy_attention(model):  # the model's own attention again when generation ends
         try:
             loop = token_loop(decoder, prompts, held, rule, sample, shared_context)
             tokens, prefill_s, decode_s, steps = _timed(loop, streamer)
-            decode_s -= decoder.compile_s
-            steps -= decoder.mode == "compiled"  # the step that compiled is not counted
+            compile_s = decoder.compile_s - compiled_before
+            decode_s -= compile_s
+            steps -= compile_s > 0  # the step that compiled is not counted
             mode = decoder.mode  # before release(), which steps eagerly from then on
         finally:
             if own_decoder:
                 decoder.release()  # the model as the caller gave it (a passed decoder is the caller's)
-    return Generation(tokens, mode, decoder.compile_s, prefill_s, decode_s, steps, len(prompts))
+    return Generation(tokens, mode, compile_s, prefill_s, decode_s, steps, len(prompts))
 
 
 class Progress(NamedTuple):
