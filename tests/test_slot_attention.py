@@ -61,7 +61,9 @@ def test_full_cache_decodes_the_same_with_and_without_the_fused_attention(arch, 
     assert with_kernel.tokens == without.tokens
 
 
-@pytest.mark.parametrize(("kv", "held"), [("full", torch.float16), ("h2o", torch.float32), ("streaming", torch.float32)])
+@pytest.mark.parametrize(
+    ("kv", "held"), [("full", torch.float16), ("h2o", torch.float32), ("streaming", torch.float32)]
+)
 def test_a_cpu_decoder_holds_fp16_only_where_every_layer_attends_in_the_fused_kernel(kv, held, monkeypatch):
     import sparsegen.decode.handover as handover
 
