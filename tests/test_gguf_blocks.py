@@ -177,3 +177,15 @@ def test_a_compiled_call_keeps_the_op_whole():
     x = torch.randn(3, 256)
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x), layer(x))
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
+def test_an_embedding_decodes_the_rows_it_looks_up_and_compiles_whole(qtype):
+    blocks = random_blocks(qtype, 40, 256, seed=11)
+    table = torch.from_numpy(dequantize(blocks, qtype).reshape(40, 256).astype(np.float32))
+    embedding = gguf_blocks.GGUFEmbedding(torch.from_numpy(blocks), qtype, 256, torch.float32)
+    ids = torch.tensor([[0, 39, 7], [7, 7, 1]])
+    torch.testing.assert_close(embedding(ids), table[ids], rtol=2e-7, atol=0)  # the kernel's decoder: an ulp
+    assert torch.equal(embedding.weight, table)  # gguf's own decoder
+    compiled = torch.compile(embedding, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(ids), embedding(ids))

@@ -22,7 +22,7 @@ from sparsegen import assets, gguf_model, loading
 from sparsegen.errors import SparsegenError
 from sparsegen.models import require_float_linears
 from sparsegen.quant import gguf_blocks
-from sparsegen.quant.gguf_blocks import KERNEL_TYPES, GGUFLinear
+from sparsegen.quant.gguf_blocks import KERNEL_TYPES, GGUFEmbedding, GGUFLinear
 from tests.gguf_tiny import (
     CONTEXT,
     FFN,
@@ -66,7 +66,11 @@ def test_each_kernel_format_keeps_its_blocks(tmp_path, qtype, capsys, exact):
     assert all(isinstance(m, GGUFLinear) and m.qtype == qtype for m in layers.values())
     assert not model.config.tie_word_embeddings  # the head is a layer over the embedding's own blocks
     assert torch.equal(model.lm_head.blocks, torch.from_numpy(blocks["token_embd.weight"]))
-    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    embedding = model.model.embed_tokens  # a lookup over the same blocks, never held as floats
+    assert isinstance(embedding, GGUFEmbedding) and torch.equal(embedding.blocks, model.lm_head.blocks)
+    assert torch.equal(embedding.weight, state["model.embed_tokens.weight"])
+    ids = torch.tensor([[3, 0, 3, VOCAB - 1]])
+    assert torch.equal(embedding(ids), state["model.embed_tokens.weight"][ids])
     v_proj, q_proj = model.model.layers[1].self_attn.v_proj, model.model.layers[1].self_attn.q_proj
     assert torch.equal(v_proj.blocks, torch.from_numpy(blocks["blk.1.attn_v.weight"]))  # the file's bytes
     assert torch.equal(q_proj.blocks, torch.from_numpy(blocks["blk.1.attn_q.weight"]))  # rows back in HF order
@@ -75,7 +79,7 @@ def test_each_kernel_format_keeps_its_blocks(tmp_path, qtype, capsys, exact):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line == (
         f"tiny.gguf: kept {7 * LAYERS + 1} tensors in their GGUF blocks ({qtype.name}); "
-        f"{2 + 2 * LAYERS} dequantized to float32 (F32, {qtype.name})"
+        f"{1 + 2 * LAYERS} dequantized to float32 (F32)"
     )
 
 

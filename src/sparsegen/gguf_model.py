@@ -36,7 +36,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTen
 from sparsegen.assemble import assemble
 from sparsegen.assets import console, ensure_asset
 from sparsegen.errors import SparsegenError
-from sparsegen.quant.gguf_blocks import KERNEL_TYPES, GGUFLinear
+from sparsegen.quant.gguf_blocks import KERNEL_TYPES, GGUFEmbedding, GGUFLinear
 
 SUFFIX = ".gguf"
 BLOCK_SAFE = (TensorProcessor, LlamaTensorProcessor)
@@ -213,9 +213,10 @@ def _head_name(model: PreTrainedModel) -> str | None:
     return next((name for name, module in model.named_modules() if module is head), None)
 
 
-def _plan_blocks(file: GGUFFile, names: dict[str, str], model: PreTrainedModel, blocks: bool) -> dict[str, str]:
-    """{GGUF tensor name: Linear module name} of the tensors kept as blocks. The token embedding is
-    planned for the head when the head is tied to it (no `output.weight` in the file)."""
+def _plan_blocks(file: GGUFFile, names: dict[str, str], model: PreTrainedModel, blocks: bool) -> dict[str, list[str]]:
+    """{GGUF tensor name: the modules that keep it as blocks}: Linear layers, and the token
+    embedding where it is a plain `nn.Embedding` (a lookup decodes its rows), also for the head
+    where the head is tied to it (no `output.weight` in the file)."""
     if not blocks:
         return {}
     linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
@@ -224,11 +225,17 @@ def _plan_blocks(file: GGUFFile, names: dict[str, str], model: PreTrainedModel, 
         parameter = names.get(tensor.name, "")
         owner, _, leaf = parameter.rpartition(".")
         if tensor.tensor_type in KERNEL_TYPES and leaf == "weight" and owner in linears:
-            plan[tensor.name] = owner
+            plan[tensor.name] = [owner]
     types = {t.name: t.tensor_type for t in file.tensors}
+    if types.get("token_embd.weight") not in KERNEL_TYPES:
+        return plan
+    embedding = next(name for name, module in model.named_modules() if module is model.get_input_embeddings())
+    users = [embedding] if type(model.get_input_embeddings()) is nn.Embedding else []  # a scaled one: floats
     head = _head_name(model)
-    if "output.weight" not in types and types.get("token_embd.weight") in KERNEL_TYPES and head in linears:
-        plan["token_embd.weight"] = head  # also dequantized below, for the embedding's lookup
+    if "output.weight" not in types and head in linears:
+        users.append(head)
+    if users:
+        plan["token_embd.weight"] = users
     return plan
 
 
@@ -248,10 +255,11 @@ def read_tensors(
     for tensor in file.tensors:
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if tensor.name in plan:
-            kept[plan[tensor.name]] = (processor.process(weights=tensor.data, name=tensor.name).weights, qtype)
+            rows = processor.process(weights=tensor.data, name=tensor.name).weights
+            kept.update({module: (rows, qtype) for module in plan[tensor.name]})
             kept_types[qtype.name] += 1
-            if tensor.name != "token_embd.weight":
-                continue
+            if names.get(tensor.name, "").rpartition(".")[0] in plan[tensor.name]:
+                continue  # else the tied head's blocks, the embedding's floats below
         weights = dequantize(tensor.data, qtype)
         result = processor.process(
             weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
@@ -264,19 +272,22 @@ def read_tensors(
 
 def _block_layers(
     kept: dict[str, tuple[np.ndarray, GGMLQuantizationType]], model: PreTrainedModel, state: dict, dtype: torch.dtype
-) -> dict[str, GGUFLinear]:
-    """A GGUFLinear for each kept tensor, its bias (an F32 tensor of its own in the file) taken
-    from `state`."""
+) -> dict[str, GGUFLinear | GGUFEmbedding]:
+    """A GGUFLinear (a GGUFEmbedding for the token embedding) for each kept tensor, its bias (an F32
+    tensor of its own in the file) taken from `state`."""
     layers = {}
     for name, (rows, qtype) in kept.items():
         linear = model.get_submodule(name)
         bias = state.pop(f"{name}.bias", None)
         blocks = torch.from_numpy(rows)
-        if blocks.shape[0] != linear.out_features:
-            raise SparsegenError(
-                f"{name}: the GGUF tensor has {blocks.shape[0]} rows, the config says {linear.out_features}"
-            )
-        layers[name] = GGUFLinear(blocks, qtype, linear.in_features, None if bias is None else bias.to(dtype))
+        lookup = isinstance(linear, nn.Embedding)
+        expected = linear.num_embeddings if lookup else linear.out_features
+        if blocks.shape[0] != expected:
+            raise SparsegenError(f"{name}: the GGUF tensor has {blocks.shape[0]} rows, the config says {expected}")
+        if lookup:
+            layers[name] = GGUFEmbedding(blocks, qtype, linear.embedding_dim, dtype)
+        else:
+            layers[name] = GGUFLinear(blocks, qtype, linear.in_features, None if bias is None else bias.to(dtype))
     return layers
 
 

@@ -52,8 +52,9 @@ def _step_bytes(model, prompt: torch.Tensor, context: int) -> tuple[float, float
     layer_read, layer_total = read_bytes(model, prompt, shares)
     outside = sum(p.numel() for p in model.parameters()) * size
     outside -= sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters()) * size
-    if not getattr(model.config, "tie_word_embeddings", False):
-        outside -= model.get_input_embeddings().weight.numel() * size  # a lookup reads one row
+    table = model.get_input_embeddings()
+    if not getattr(model.config, "tie_word_embeddings", False) and isinstance(table, torch.nn.Embedding):
+        outside -= table.weight.numel() * size  # a lookup reads one row (a GGUF table is no parameter)
     config = model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * getattr(config, "head_dim", 64) * size
     step = outside + layer_read + kv * context * prompt.shape[0]

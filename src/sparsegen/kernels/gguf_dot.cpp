@@ -222,6 +222,10 @@ torch::Tensor gguf_weight(torch::Tensor blocks, int64_t format, int64_t in, at::
   return out;
 }
 
+torch::Tensor gguf_weight_meta(torch::Tensor blocks, int64_t format, int64_t in, at::ScalarType dtype) {
+  return at::empty_symint({blocks.sym_size(0), c10::SymInt(in)}, blocks.options().dtype(dtype));
+}
+
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int format, int in_features) -> Tensor");
   m.def("gguf_panel_linear(Tensor x, Tensor panels, int format, int in_features) -> Tensor");
@@ -239,6 +243,7 @@ TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
 TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
   m.impl("gguf_linear", &gguf_linear_meta);
   m.impl("gguf_panel_linear", &gguf_linear_meta);
+  m.impl("gguf_weight", &gguf_weight_meta);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -48,7 +48,7 @@ class SoftPrompt(nn.Module):
         return torch.cat([prompt, embeds], dim=1)
 
     def check_fits(self, model: nn.Module) -> None:
-        hidden = model.get_input_embeddings().weight.shape[1]
+        hidden = model.get_input_embeddings().embedding_dim
         if self.embeddings.shape[1] != hidden:
             raise SparsegenError(
                 f"the soft prompt has {self.embeddings.shape[1]}-wide embeddings but the model's hidden size is "

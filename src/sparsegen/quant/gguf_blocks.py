@@ -88,8 +88,7 @@ class GGUFLinear(IntegerDotLinear):
 
     def weight(self) -> torch.Tensor:
         """The float weight [out, in] the blocks hold (gguf's own numpy decoder)."""
-        decoded = dequantize(self.file_blocks().cpu().numpy(), self.qtype).reshape(self.out_features, self.in_features)
-        return torch.from_numpy(np.ascontiguousarray(decoded, dtype=np.float32)).to(self.blocks.device)
+        return _decoded(self.file_blocks(), self.qtype, self.in_features)
 
     def float_weight(self) -> torch.Tensor:
         """The blocks decoded to bf16 by the kernels' own decoder (a prompt's GEMM), else `weight()`."""
@@ -99,3 +98,40 @@ class GGUFLinear(IntegerDotLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, GGUF {self.qtype.name} blocks x int8 integer dot"
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """A token embedding over a GGUF tensor's blocks [vocab, row bytes]: a lookup decodes only the
+    rows it reads, so the table is never held as floats (the 1.5B model's 151,936 x 1,536 Q4_K table
+    is 131 MB of blocks, 933 MB in fp32). `weight` decodes the whole table for code that reads it
+    (a soft prompt's initialisation), with gguf's own decoder."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        width = row_bytes(qtype, dim)
+        if qtype not in KERNEL_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width:
+            raise SparsegenError(f"a {qtype.name} embedding of width {dim} needs uint8 blocks [vocab, {width}]")
+        self.qtype, self.embedding_dim, self.num_embeddings, self.dtype = qtype, dim, blocks.shape[0], dtype
+        self.on_kernel = kernels_ready()
+        self.register_buffer("blocks", blocks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.reshape(-1)]
+        if self.on_kernel:
+            table = torch.ops.sparsegen.gguf_weight(rows, int(self.qtype), self.embedding_dim, torch.float32)
+        else:
+            table = _decoded(rows, self.qtype, self.embedding_dim)
+        return table.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return _decoded(self.blocks, self.qtype, self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {self.qtype.name} blocks, rows decoded per lookup"
+
+
+def _decoded(blocks: torch.Tensor, qtype: GGMLQuantizationType, width: int) -> torch.Tensor:
+    """Blocks [n, row bytes] in the file's order decoded to fp32 [n, width] by gguf's numpy decoder."""
+    decoded = dequantize(blocks.cpu().numpy(), qtype).reshape(blocks.shape[0], width)
+    return torch.from_numpy(np.ascontiguousarray(decoded, dtype=np.float32)).to(blocks.device)
