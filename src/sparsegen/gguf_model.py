@@ -4,12 +4,15 @@ The file is memory-mapped copy-on-write (its header read here, its blocks decode
 Linear whose tensor is in one of the block formats the GGUF kernels read (`gguf_blocks.KERNEL_TYPES`)
 becomes a `GGUFLinear` over the file's own bytes for that tensor, still mapped (the pages are the
 file's, read on first use and shared with the page cache; nothing is copied, except the llama query
-and key rows that llama.cpp stores permuted, put back in transformers' order). Every other tensor (norms, embeddings,
-biases, F32/F16 tensors, block formats without a kernel) is dequantized to the model's float dtype.
+and key rows that llama.cpp stores permuted, put back in transformers' order, and Q4_0/Q4_1 tensors
+repacked into panels of eight rows). Every other tensor (norms, biases, F32/F16 tensors, block
+formats without a kernel) is dequantized to the model's float dtype.
 
-The output head: a file's own `output.weight` in a kernel format becomes a GGUFLinear; a head tied
-to the token embedding (no `output.weight`) becomes a GGUFLinear over the embedding's blocks, the
-embedding itself dequantized for lookup (the config then says the two are no longer tied).
+The token embedding in a kernel format becomes a `GGUFEmbedding` over its blocks (a lookup decodes
+the rows it reads; a scaled embedding, as Gemma's, is dequantized). The output head: a file's own
+`output.weight` in a kernel format becomes a GGUFLinear; a head tied to the token embedding (no
+`output.weight`) becomes a GGUFLinear over the embedding's blocks (the config then says the two are
+no longer tied).
 
 The config and tokenizer are transformers' reading of the file's metadata (names mapped as its own
 GGUF loader maps them), saved once in the cache folder keyed by the file's path, size and time, so

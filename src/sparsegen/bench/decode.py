@@ -67,6 +67,7 @@ def fast_decode_worker(
         "rss": peak_rss_mb(),
         "weight_mb": weight_bytes(model) / 1e6,
         "kv_mb": rows * (held + new_tokens // 2) * kv_bytes_per_token(model, kv_dtype, kv.kv_bits) / 1e6,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "tokens": [int(token) for token in out.tokens[0]],
     }
 

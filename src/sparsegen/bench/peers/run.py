@@ -262,7 +262,8 @@ def _decode_rows(run: _Run, context: int, new_tokens: int, folders: dict[str, Pa
     reference = rows[0]["tokens"]
     for row in rows:
         if row["config"].startswith("llama.cpp"):
-            row["kv_mb"] = rows[0]["kv_mb"] / 2  # llama.cpp holds keys and values in fp16
+            fp32 = rows[0].get("kv_dtype") != "float16"  # what the first sparsegen row held
+            row["kv_mb"] = rows[0]["kv_mb"] / (2 if fp32 else 1)  # llama.cpp holds keys and values in fp16
         row["same_tokens"] = f"{_leading_equal(row['tokens'], reference)}/{len(reference)}"
     return rows
 
