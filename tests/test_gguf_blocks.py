@@ -91,6 +91,9 @@ def test_panels_hold_the_same_bytes_and_their_product_equals_the_decoded_weight_
     expected, bound = rounded @ weight.T, np.abs(rounded) @ np.abs(weight).T
     got = torch.ops.sparsegen.gguf_panel_linear(x, panels, int(qtype), inputs).numpy()
     assert np.all(np.abs(got - expected) <= 2e-6 * bound + 1e-30), np.abs(got - expected).max()
+    for dtype in (torch.float32, torch.bfloat16):  # a prompt's GEMM decodes the panels as the file's blocks
+        decoded = torch.ops.sparsegen.gguf_panel_weight(panels, int(qtype), inputs, dtype)
+        assert torch.equal(decoded, torch.ops.sparsegen.gguf_weight(blocks, int(qtype), inputs, dtype))
     layer = GGUFLinear(blocks, qtype, inputs)
     assert layer.paneled and torch.equal(layer.blocks, panels)
     assert torch.equal(layer.weight(), torch.from_numpy(weight.astype(np.float32)))

@@ -99,8 +99,20 @@ int64_t checked_blocks(const torch::Tensor& x, const torch::Tensor& blocks, cons
   return per_row;
 }
 
-// Input rows in groups whose codes stay in L2 while every output passes over them.
-int64_t row_group(int64_t in) { return std::max<int64_t>(kTile, kGroupBytes / in / kTile * kTile); }
+// Input rows in groups whose codes stay in L2, each group against every output unit (an output
+// row, or a panel of kPanel) split over threads, in tiles of up to kTile rows: body(unit, row0, count).
+template <typename Body>
+void over_tiles(int64_t rows, int64_t in, int64_t units, int64_t grain, const Body& body) {
+  const int64_t group = std::max<int64_t>(kTile, kGroupBytes / in / kTile * kTile);
+  for (int64_t first_row = 0; first_row < rows; first_row += group) {
+    const int64_t last_row = std::min(rows, first_row + group);
+    at::parallel_for(0, units, grain, [&](int64_t first, int64_t last) {
+      for (int64_t unit = first; unit < last; ++unit)
+        for (int64_t row0 = first_row; row0 < last_row; row0 += kTile)
+          body(unit, row0, static_cast<int>(std::min<int64_t>(kTile, last_row - row0)));
+    });
+  }
+}
 
 // x [rows, in] fp32 times the GGUF tensor `blocks` [out, row_bytes] of ggml type `format` -> [rows, out] fp32.
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format, int64_t in) {
@@ -110,20 +122,11 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format,
   auto out = torch::empty({rows, out_features}, x.options());
   float* o = out.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t group = row_group(in);
-  for (int64_t first_row = 0; first_row < rows; first_row += group) {
-    const int64_t last_row = std::min(rows, first_row + group);
-    at::parallel_for(0, out_features, 8, [&](int64_t first, int64_t last) {
-      float result[kTile];
-      for (int64_t n = first; n < last; ++n) {
-        for (int64_t row0 = first_row; row0 < last_row; row0 += kTile) {
-          const int count = static_cast<int>(std::min<int64_t>(kTile, last_row - row0));
-          tile(format, w + n * per_row * f.block_bytes, per_row, r, row0, count, result);
-          for (int k = 0; k < count; ++k) o[(row0 + k) * out_features + n] = result[k];
-        }
-      }
-    });
-  }
+  over_tiles(rows, in, out_features, 8, [&](int64_t n, int64_t row0, int count) {
+    float result[kTile];
+    tile(format, w + n * per_row * f.block_bytes, per_row, r, row0, count, result);
+    for (int k = 0; k < count; ++k) o[(row0 + k) * out_features + n] = result[k];
+  });
   return out;
 }
 
@@ -137,21 +140,12 @@ torch::Tensor gguf_panel_linear(torch::Tensor x, torch::Tensor panels, int64_t f
   auto out = torch::empty({rows, out_features}, x.options());
   float* o = out.data_ptr<float>();
   const uint8_t* w = panels.data_ptr<uint8_t>();
-  const int64_t group = row_group(in), panel_bytes = per_row * kPanel * f.block_bytes;
-  for (int64_t first_row = 0; first_row < rows; first_row += group) {
-    const int64_t last_row = std::min(rows, first_row + group);
-    at::parallel_for(0, out_features / kPanel, 2, [&](int64_t first, int64_t last) {
-      float result[kTile * kPanel];
-      for (int64_t p = first; p < last; ++p) {
-        for (int64_t row0 = first_row; row0 < last_row; row0 += kTile) {
-          const int count = static_cast<int>(std::min<int64_t>(kTile, last_row - row0));
-          panel_tile_any(format, w + p * panel_bytes, per_row, r, row0, count, result);
-          for (int k = 0; k < count; ++k)
-            std::copy_n(result + kPanel * k, kPanel, o + (row0 + k) * out_features + p * kPanel);
-        }
-      }
-    });
-  }
+  const int64_t panel_bytes = per_row * kPanel * f.block_bytes;
+  over_tiles(rows, in, out_features / kPanel, 2, [&](int64_t p, int64_t row0, int count) {
+    float result[kTile * kPanel];
+    panel_tile_any(format, w + p * panel_bytes, per_row, r, row0, count, result);
+    for (int k = 0; k < count; ++k) std::copy_n(result + kPanel * k, kPanel, o + (row0 + k) * out_features + p * kPanel);
+  });
   return out;
 }
 
@@ -207,19 +201,32 @@ void decode_rows(const uint8_t* w, int64_t format, int64_t in, int64_t out_featu
   });
 }
 
-torch::Tensor gguf_weight(torch::Tensor blocks, int64_t format, int64_t in, at::ScalarType dtype) {
+// The weight [out, in] in fp32 or bf16 from the file's blocks or (`paneled`) from gguf_panels' panels.
+torch::Tensor decoded_weight(torch::Tensor blocks, int64_t format, int64_t in, at::ScalarType dtype, bool paneled) {
   const FormatInfo f = info_of(format);
   TORCH_CHECK(in % f.per_block == 0, "gguf_weight: ", in, " inputs are not whole blocks of ", f.per_block);
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous() &&
                   blocks.size(1) == in / f.per_block * f.block_bytes,
               "gguf_weight: blocks must be uint8 [out, ", in / f.per_block * f.block_bytes, "], contiguous");
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "gguf_weight: fp32 or bf16");
+  TORCH_CHECK(!paneled || (panel_format(format) && blocks.size(0) % kPanel == 0), "gguf_panel_weight: Q4_0/Q4_1 panels");
   auto out = torch::empty({blocks.size(0), in}, blocks.options().dtype(dtype));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
   if (dtype == torch::kFloat)
-    decode_rows(blocks.data_ptr<uint8_t>(), format, in, blocks.size(0), out.data_ptr<float>());
+    paneled ? decode_panels(w, format, in, blocks.size(0), out.data_ptr<float>())
+            : decode_rows(w, format, in, blocks.size(0), out.data_ptr<float>());
   else
-    decode_rows(blocks.data_ptr<uint8_t>(), format, in, blocks.size(0), out.data_ptr<at::BFloat16>());
+    paneled ? decode_panels(w, format, in, blocks.size(0), out.data_ptr<at::BFloat16>())
+            : decode_rows(w, format, in, blocks.size(0), out.data_ptr<at::BFloat16>());
   return out;
+}
+
+torch::Tensor gguf_weight(torch::Tensor blocks, int64_t format, int64_t in, at::ScalarType dtype) {
+  return decoded_weight(blocks, format, in, dtype, false);
+}
+
+torch::Tensor gguf_panel_weight(torch::Tensor panels, int64_t format, int64_t in, at::ScalarType dtype) {
+  return decoded_weight(panels, format, in, dtype, true);
 }
 
 torch::Tensor gguf_weight_meta(torch::Tensor blocks, int64_t format, int64_t in, at::ScalarType dtype) {
@@ -232,6 +239,7 @@ TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("gguf_panels(Tensor blocks, int format, int in_features, bool inverse) -> Tensor");
   m.def("gguf_rounded_input(Tensor x, int format) -> Tensor");
   m.def("gguf_weight(Tensor blocks, int format, int in_features, ScalarType dtype) -> Tensor");
+  m.def("gguf_panel_weight(Tensor panels, int format, int in_features, ScalarType dtype) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
@@ -239,6 +247,7 @@ TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("gguf_panels", &gguf_panels);
   m.impl("gguf_rounded_input", &gguf_rounded_input);
   m.impl("gguf_weight", &gguf_weight);
+  m.impl("gguf_panel_weight", &gguf_panel_weight);
 }
 TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
   m.impl("gguf_linear", &gguf_linear_meta);

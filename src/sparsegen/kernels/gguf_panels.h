@@ -48,6 +48,32 @@ void permute_panels(const uint8_t* from, uint8_t* to, int64_t format, int64_t ou
   });
 }
 
+// Panels [out, row bytes] decoded to the weight [out, in] as plain_decode decodes the file's blocks:
+// d u + m for Q4_1, d (u - 8) for Q4_0 (a prompt's float GEMM, without putting the file order back).
+template <typename T>
+void decode_panels(const uint8_t* w, int64_t format, int64_t in, int64_t out_features, T* o) {
+  const int64_t block_bytes = info_of(format).block_bytes, blocks = in / 32;
+  const bool has_min = format == kQ4_1;
+  const int64_t codes = has_min ? 32 : 16;
+  at::parallel_for(0, out_features / kPanel, 4, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* panel = w + (p * blocks + b) * kPanel * block_bytes;
+        for (int64_t r = 0; r < kPanel; ++r) {
+          const float d = half_at(panel + 2 * r), m = has_min ? half_at(panel + 16 + 2 * r) : 0.f;
+          T* row = o + (p * kPanel + r) * in + b * 32;
+          for (int64_t q = 0; q < 16; ++q) {
+            const uint8_t byte = panel[codes + 32 * (q / 4) + 4 * r + q % 4];
+            const int32_t low = (byte & 15) - (has_min ? 0 : 8), high = (byte >> 4) - (has_min ? 0 : 8);
+            row[q] = static_cast<T>(d * static_cast<float>(low) - m * (has_min ? -1.f : 0.f));
+            row[q + 16] = static_cast<T>(d * static_cast<float>(high) - m * (has_min ? -1.f : 0.f));
+          }
+        }
+      }
+    }
+  });
+}
+
 #ifdef SPARSEGEN_AVX2
 // Unsigned codes times signed input bytes, four products a lane summed into acc (exact in int32).
 inline __m256i dot_quads(__m256i acc, __m256i u, __m256i a) {

@@ -94,7 +94,8 @@ class GGUFLinear(IntegerDotLinear):
         """The blocks decoded to bf16 by the kernels' own decoder (a prompt's GEMM), else `weight()`."""
         if not self.on_kernel:
             return self.weight()
-        return torch.ops.sparsegen.gguf_weight(self.file_blocks(), int(self.qtype), self.in_features, torch.bfloat16)
+        decode = torch.ops.sparsegen.gguf_panel_weight if self.paneled else torch.ops.sparsegen.gguf_weight
+        return decode(self.blocks, int(self.qtype), self.in_features, torch.bfloat16)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, GGUF {self.qtype.name} blocks x int8 integer dot"
