@@ -143,24 +143,37 @@ def test_the_kernels_decoder_equals_ggufs_own(qtype):
     assert torch.equal(ours[torch.bfloat16], ours[torch.float32].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("flag", ["avx512_bf16", None])
-def test_a_prompt_multiplies_the_blocks_decoded_to_bf16_where_the_cpu_computes_bf16(monkeypatch, flag):
+@pytest.mark.parametrize(
+    ("flag", "qtype", "bf16"),
+    [
+        ("amx_bf16", GGMLQuantizationType.Q4_K, True),  # AMX's tiles: the GEMM, panels or not
+        ("avx512_bf16", GGMLQuantizationType.Q6_K, True),  # file-order blocks: the GEMM past the rows
+        ("avx512_bf16", GGMLQuantizationType.Q4_K, False),  # panels' dots beat AVX512-BF16's GEMM
+        (None, GGMLQuantizationType.Q6_K, False),  # no native bf16: dots at any row count
+    ],
+)
+def test_a_prompt_multiplies_the_blocks_decoded_to_bf16_where_that_pays(monkeypatch, flag, qtype, bf16):
     monkeypatch.setattr(gguf_blocks, "cpu_bf16_flag", lambda: flag)
-    qtype, inputs = GGMLQuantizationType.Q4_K, 512
+    inputs = 512
     blocks = random_blocks(qtype, 24, inputs, seed=9)
     layer = GGUFLinear(torch.from_numpy(blocks), qtype, inputs)
     x = torch.randn(gguf_blocks.BF16_ABOVE_ROWS + 9, inputs, generator=torch.Generator().manual_seed(4))
     weight = torch.from_numpy(dequantize(blocks, qtype).reshape(24, inputs).astype(np.float32))
+    product = torch.ops.sparsegen.gguf_panel_linear if layer.paneled else torch.ops.sparsegen.gguf_linear
+
+    def dots(rows: torch.Tensor) -> torch.Tensor:
+        return product(rows.contiguous(), layer.blocks, int(qtype), inputs)
+
     got, few = layer(x), layer(x[: gguf_blocks.BF16_ABOVE_ROWS])
-    assert torch.equal(few, kernel(x[: gguf_blocks.BF16_ABOVE_ROWS].contiguous(), blocks, qtype))  # few rows: dots
-    if flag is None:  # no native bf16: the integer dots at any row count, as before
-        assert torch.equal(got, kernel(x, blocks, qtype))
+    assert torch.equal(few, dots(x[: gguf_blocks.BF16_ABOVE_ROWS]))  # few rows: dots
+    if not bf16:
+        assert torch.equal(got, dots(x))
         return
     expected = x.to(torch.bfloat16).double() @ weight.to(torch.bfloat16).double().T  # bf16 inputs, exact sums
     bound = x.to(torch.bfloat16).double().abs() @ weight.to(torch.bfloat16).double().abs().T
     error = (got.double() - expected).abs()  # fp32 sums, each output rounded to bf16 (half an ulp: <= 2^-8)
     assert torch.all(error <= 2**-8 * expected.abs() + 1e-5 * bound), error.max()
-    assert not torch.equal(got, kernel(x, blocks, qtype))  # not the integer dots
+    assert not torch.equal(got, dots(x))  # not the integer dots
 
 
 def test_the_layer_refuses_what_it_cannot_run():

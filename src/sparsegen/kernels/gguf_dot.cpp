@@ -130,13 +130,13 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format,
   return out;
 }
 
-// The same product over `panels`, the tensor as `gguf_panels` repacked it (Q4_0, Q4_1; gguf_panels.h).
+// The same product over `panels`, the tensor as `gguf_panels` repacked it (Q4_0, Q4_1, Q4_K; gguf_panels.h).
 torch::Tensor gguf_panel_linear(torch::Tensor x, torch::Tensor panels, int64_t format, int64_t in) {
-  TORCH_CHECK(panel_format(format), "gguf_panel_linear: panels are Q4_0 or Q4_1, not ggml type ", format);
+  TORCH_CHECK(panel_format(format), "gguf_panel_linear: panels are Q4_0, Q4_1 or Q4_K, not ggml type ", format);
   const FormatInfo f = info_of(format);
   const int64_t per_row = checked_blocks(x, panels, f, in), rows = x.size(0), out_features = panels.size(0);
   TORCH_CHECK(out_features % kPanel == 0, "gguf_panel_linear: ", out_features, " outputs are not whole panels");
-  const Rounded r = round_rows(x.data_ptr<float>(), rows, in, false);
+  const Rounded r = round_rows(x.data_ptr<float>(), rows, in, f.k_quant);
   auto out = torch::empty({rows, out_features}, x.options());
   float* o = out.data_ptr<float>();
   const uint8_t* w = panels.data_ptr<uint8_t>();
@@ -149,9 +149,9 @@ torch::Tensor gguf_panel_linear(torch::Tensor x, torch::Tensor panels, int64_t f
   return out;
 }
 
-// A Q4_0 / Q4_1 tensor's file rows as panels, or (`inverse`) panels back to the file's rows.
+// A Q4_0 / Q4_1 / Q4_K tensor's file rows as panels, or (`inverse`) panels back to the file's rows.
 torch::Tensor gguf_panels(torch::Tensor blocks, int64_t format, int64_t in, bool inverse) {
-  TORCH_CHECK(panel_format(format), "gguf_panels: panels are Q4_0 or Q4_1, not ggml type ", format);
+  TORCH_CHECK(panel_format(format), "gguf_panels: panels are Q4_0, Q4_1 or Q4_K, not ggml type ", format);
   const FormatInfo f = info_of(format);
   const int64_t per_row = in / f.per_block;
   TORCH_CHECK(in % f.per_block == 0 && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
@@ -186,18 +186,8 @@ void decode_rows(const uint8_t* w, int64_t format, int64_t in, int64_t out_featu
   const FormatInfo f = info_of(format);
   const int64_t per_row = in / f.per_block;
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
-    PlainBlock p;
-    for (int64_t n = first; n < last; ++n) {
-      for (int64_t b = 0; b < per_row; ++b) {
-        plain_decode(format, w + (n * per_row + b) * f.block_bytes, p);
-        T* row = o + n * in + b * f.per_block;
-        for (int64_t j = 0; j < f.per_block; ++j) {
-          const int64_t k = j / 16;
-          row[j] = static_cast<T>(p.factor * static_cast<float>(p.scale[k]) * static_cast<float>(p.code[j]) -
-                                  p.offset_factor * static_cast<float>(p.offset[k]));
-        }
-      }
-    }
+    for (int64_t n = first; n < last; ++n)
+      for (int64_t b = 0; b < per_row; ++b) decode_block(format, w + (n * per_row + b) * f.block_bytes, o + n * in + b * f.per_block);
   });
 }
 
@@ -209,7 +199,7 @@ torch::Tensor decoded_weight(torch::Tensor blocks, int64_t format, int64_t in, a
                   blocks.size(1) == in / f.per_block * f.block_bytes,
               "gguf_weight: blocks must be uint8 [out, ", in / f.per_block * f.block_bytes, "], contiguous");
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "gguf_weight: fp32 or bf16");
-  TORCH_CHECK(!paneled || (panel_format(format) && blocks.size(0) % kPanel == 0), "gguf_panel_weight: Q4_0/Q4_1 panels");
+  TORCH_CHECK(!paneled || (panel_format(format) && blocks.size(0) % kPanel == 0), "gguf_panel_weight: Q4_0, Q4_1 or Q4_K panels");
   auto out = torch::empty({blocks.size(0), in}, blocks.options().dtype(dtype));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   if (dtype == torch::kFloat)

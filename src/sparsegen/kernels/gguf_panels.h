@@ -1,4 +1,4 @@
-// Q4_0 and Q4_1 tensors repacked once at load into panels of eight output rows, so that one
+// Q4_0 and Q4_1 tensors (Q4_K: gguf_panels_k.h) repacked once at load into panels of eight output rows, so that one
 // decode step's product is whole-vector work: each integer dot yields eight outputs' partial sums in
 // eight lanes, and each block's fp16 scales (and Q4_1's minimums) of the eight rows are one load.
 // The file's row-major blocks ask instead for a horizontal sum and a scalar scale per row and block,
@@ -15,10 +15,30 @@
 
 constexpr int64_t kPanel = 8;
 
-inline bool panel_format(int64_t format) { return format == kQ4_0 || format == kQ4_1; }
+inline bool panel_format(int64_t format) { return format == kQ4_0 || format == kQ4_1 || format == kQ4_K; }
+
+#ifdef SPARSEGEN_AVX2
+// Unsigned codes times signed input bytes, four products a lane summed into acc (exact in int32).
+inline __m256i dot_quads(__m256i acc, __m256i u, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, a);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i quad_of(const int8_t* a) {
+  int32_t four;
+  std::memcpy(&four, a, 4);
+  return _mm256_set1_epi32(four);
+}
+#endif
+
+#include "gguf_panels_k.h"
 
 // Where byte j of row r's file block sits in its panel-block.
 inline int64_t panel_byte(int64_t format, int64_t r, int64_t j) {
+  if (format == kQ4_K) return q4_k_panel_byte(r, j);
   const int64_t header = format == kQ4_1 ? 4 : 2, codes = format == kQ4_1 ? 32 : 16;
   if (j < 2) return 2 * r + j;                       // d
   if (j < header) return 16 + 2 * r + (j - 2);       // m
@@ -48,10 +68,30 @@ void permute_panels(const uint8_t* from, uint8_t* to, int64_t format, int64_t ou
   });
 }
 
+// Panels decoded block by block, each row's file block gathered back first (Q4_K's prompt GEMM).
+template <typename T>
+void decode_panels_by_block(const uint8_t* w, int64_t format, int64_t in, int64_t out_features, T* o) {
+  const FormatInfo f = info_of(format);
+  const int64_t blocks = in / f.per_block;
+  at::parallel_for(0, out_features / kPanel, 4, [&](int64_t first, int64_t last) {
+    uint8_t block[256];
+    for (int64_t p = first; p < last; ++p) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* panel = w + (p * blocks + b) * kPanel * f.block_bytes;
+        for (int64_t r = 0; r < kPanel; ++r) {
+          for (int64_t j = 0; j < f.block_bytes; ++j) block[j] = panel[panel_byte(format, r, j)];
+          decode_block(format, block, o + (p * kPanel + r) * in + b * f.per_block);
+        }
+      }
+    }
+  });
+}
+
 // Panels [out, row bytes] decoded to the weight [out, in] as plain_decode decodes the file's blocks:
 // d u + m for Q4_1, d (u - 8) for Q4_0 (a prompt's float GEMM, without putting the file order back).
 template <typename T>
 void decode_panels(const uint8_t* w, int64_t format, int64_t in, int64_t out_features, T* o) {
+  if (format == kQ4_K) return decode_panels_by_block(w, format, in, out_features, o);
   const int64_t block_bytes = info_of(format).block_bytes, blocks = in / 32;
   const bool has_min = format == kQ4_1;
   const int64_t codes = has_min ? 32 : 16;
@@ -75,21 +115,6 @@ void decode_panels(const uint8_t* w, int64_t format, int64_t in, int64_t out_fea
 }
 
 #ifdef SPARSEGEN_AVX2
-// Unsigned codes times signed input bytes, four products a lane summed into acc (exact in int32).
-inline __m256i dot_quads(__m256i acc, __m256i u, __m256i a) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, a);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
-#endif
-}
-
-inline __m256i quad_of(const int8_t* a) {
-  int32_t four;
-  std::memcpy(&four, a, 4);
-  return _mm256_set1_epi32(four);
-}
-
 // One panel (eight outputs) times input rows [row0, row0 + kRows): result[k * 8 + r].
 // Per block: d * step * (u . a) + m * step * sum(a), Q4_0's m being -8 d.
 template <int64_t F, int kRows>
@@ -123,13 +148,21 @@ void panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0
   for (int k = 0; k < kRows; ++k) _mm256_storeu_ps(result + 8 * k, _mm256_add_ps(scaled[k], offset[k]));
 }
 
+template <int64_t F, int kRows>
+void rows_of_panel(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, float* result) {
+  if constexpr (F == kQ4_K)
+    q4_k_panel_rows<kRows>(p, blocks, r, row0, result);
+  else
+    panel_rows<F, kRows>(p, blocks, r, row0, result);
+}
+
 template <int64_t F>
 void panel_tile(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, int count, float* result) {
   switch (count) {
-    case 1: return panel_rows<F, 1>(p, blocks, r, row0, result);
-    case 2: return panel_rows<F, 2>(p, blocks, r, row0, result);
-    case 3: return panel_rows<F, 3>(p, blocks, r, row0, result);
-    default: return panel_rows<F, 4>(p, blocks, r, row0, result);
+    case 1: return rows_of_panel<F, 1>(p, blocks, r, row0, result);
+    case 2: return rows_of_panel<F, 2>(p, blocks, r, row0, result);
+    case 3: return rows_of_panel<F, 3>(p, blocks, r, row0, result);
+    default: return rows_of_panel<F, 4>(p, blocks, r, row0, result);
   }
 }
 #endif
@@ -138,11 +171,12 @@ void panel_tile(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0
 void panel_tile_any(int64_t format, const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, int count,
                     float* result) {
 #ifdef SPARSEGEN_AVX2
+  if (format == kQ4_K) return panel_tile<kQ4_K>(p, blocks, r, row0, count, result);
   if (format == kQ4_1) return panel_tile<kQ4_1>(p, blocks, r, row0, count, result);
   return panel_tile<kQ4_0>(p, blocks, r, row0, count, result);
 #else
   const int64_t block_bytes = info_of(format).block_bytes;
-  uint8_t block[32];
+  uint8_t block[256];
   for (int k = 0; k < count; ++k) {
     for (int64_t n = 0; n < kPanel; ++n) {
       float sum = 0.f;

@@ -25,7 +25,7 @@ KERNEL_TYPES = tuple(
 )
 """The block formats the integer-dot kernel reads; other quantized tensors are dequantized at load."""
 
-PANEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+PANEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 PANEL_ROWS = 8
 """Formats repacked at load into panels of 8 output rows (`kernels/gguf_panels.h`): one integer dot
 gives eight outputs' sums, one load eight rows' scales. On a Zen 4, 2 threads, a 1536 x 576 Q4_1
@@ -54,6 +54,14 @@ Q4_K (Q6_K) product took 6.0 (5.8) ms as integer dots at 32 rows against 19.2 (1
 matrix (16 ms) pays only past about 128 rows, so decode steps of batched rows stay integer dots."""
 
 
+def _bf16_prompts_pay(flag: str | None, paneled: bool) -> bool:
+    """Whether a prompt's rows past `BF16_ABOVE_ROWS` go through a bf16 GEMM. Panels' integer dots
+    beat decoding the matrix for AVX512-BF16's GEMM at every row count measured (Zen 4, 2 threads,
+    the 1.5B's 8960 x 1536 Q4_K at 512 rows: 32.7 ms against 46.6; Q4_1 1536 x 576 at 2,048 rows:
+    7.9 against 11.5), so they take it only where AMX's tiles compute the GEMM."""
+    return flag is not None and (flag == "amx_bf16" or not paneled)
+
+
 class GGUFLinear(IntegerDotLinear):
     """A Linear whose weight is a GGUF tensor's blocks [out, row bytes] in `qtype`, run as integer dots
     (a prompt's many rows: a bf16 GEMM over the decoded blocks where the CPU computes bf16 natively)."""
@@ -69,9 +77,9 @@ class GGUFLinear(IntegerDotLinear):
         super().__init__(in_features, blocks.shape[0], bias)
         self.qtype = qtype
         self.on_kernel = kernels_ready()  # else the float weight, decoded each call (slow, exact)
-        if self.on_kernel and cpu_bf16_flag() is not None:
-            self.float_above_rows = BF16_ABOVE_ROWS
         self.paneled = self.on_kernel and qtype in PANEL_TYPES and blocks.shape[0] % PANEL_ROWS == 0
+        if self.on_kernel and _bf16_prompts_pay(cpu_bf16_flag(), self.paneled):
+            self.float_above_rows = BF16_ABOVE_ROWS
         if self.paneled:  # a repacked copy: the file's mapped pages are then never read
             blocks = torch.ops.sparsegen.gguf_panels(blocks.contiguous(), int(qtype), in_features, False)
         self.register_buffer("blocks", blocks.contiguous())
