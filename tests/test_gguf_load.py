@@ -8,8 +8,10 @@ same model built in transformers from the blocks decoded by `gguf.quants.dequant
 from __future__ import annotations
 
 import hashlib
+import mmap
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -307,3 +309,18 @@ def test_real_qwen_coder_loads_as_blocks():
         out = model.generate(**ids, max_new_tokens=new, do_sample=False)
     text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
     assert text.startswith(" + b"), text
+
+
+def test_released_pages_of_a_repacked_tensor_read_back_as_the_file(tmp_path):
+    """A repacked tensor's mapped pages are dropped (`_release_mapped_pages`): the bytes a later read
+    sees are still the file's, and memory that is not a file mapping is never touched."""
+    data = np.random.default_rng(0).integers(0, 256, 5 * mmap.PAGESIZE + 123, dtype=np.uint8)
+    (tmp_path / "blob").write_bytes(data.tobytes())
+    mapped = np.memmap(tmp_path / "blob", mode="c")
+    rows = mapped[100 : 4 * mmap.PAGESIZE + 7].reshape(-1, 1)  # starts and ends inside a page
+    assert int(rows.sum()) == int(data[100 : 4 * mmap.PAGESIZE + 7].sum())  # read: its pages mapped
+    gguf_model._release_mapped_pages(rows)
+    np.testing.assert_array_equal(np.asarray(mapped), data)
+    plain = data.copy()
+    gguf_model._release_mapped_pages(plain)  # anonymous memory: released would read back as zeros
+    np.testing.assert_array_equal(plain, data)
