@@ -144,7 +144,8 @@ torch::Tensor gguf_panel_linear(torch::Tensor x, torch::Tensor panels, int64_t f
   over_tiles(rows, in, out_features / kPanel, 2, [&](int64_t p, int64_t row0, int count) {
     float result[kTile * kPanel];
     panel_tile_any(format, w + p * panel_bytes, per_row, r, row0, count, result);
-    for (int k = 0; k < count; ++k) std::copy_n(result + kPanel * k, kPanel, o + (row0 + k) * out_features + p * kPanel);
+    for (int k = 0; k < count; ++k)
+      std::copy_n(result + kPanel * k, kPanel, o + (row0 + k) * out_features + p * kPanel);
   });
   return out;
 }
@@ -187,7 +188,8 @@ void decode_rows(const uint8_t* w, int64_t format, int64_t in, int64_t out_featu
   const int64_t per_row = in / f.per_block;
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n)
-      for (int64_t b = 0; b < per_row; ++b) decode_block(format, w + (n * per_row + b) * f.block_bytes, o + n * in + b * f.per_block);
+      for (int64_t b = 0; b < per_row; ++b)
+        decode_block(format, w + (n * per_row + b) * f.block_bytes, o + n * in + b * f.per_block);
   });
 }
 
@@ -199,7 +201,8 @@ torch::Tensor decoded_weight(torch::Tensor blocks, int64_t format, int64_t in, a
                   blocks.size(1) == in / f.per_block * f.block_bytes,
               "gguf_weight: blocks must be uint8 [out, ", in / f.per_block * f.block_bytes, "], contiguous");
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "gguf_weight: fp32 or bf16");
-  TORCH_CHECK(!paneled || (panel_format(format) && blocks.size(0) % kPanel == 0), "gguf_panel_weight: Q4_0, Q4_1 or Q4_K panels");
+  TORCH_CHECK(!paneled || (panel_format(format) && blocks.size(0) % kPanel == 0),
+              "gguf_panel_weight: Q4_0, Q4_1 or Q4_K panels");
   auto out = torch::empty({blocks.size(0), in}, blocks.options().dtype(dtype));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   if (dtype == torch::kFloat)

@@ -1,5 +1,5 @@
-// Q4_0 and Q4_1 tensors (Q4_K: gguf_panels_k.h) repacked once at load into panels of eight output rows, so that one
-// decode step's product is whole-vector work: each integer dot yields eight outputs' partial sums in
+// Q4_0 and Q4_1 tensors (Q4_K: gguf_panels_k.h) repacked once at load into panels of eight output
+// rows, so that one decode step's product is whole-vector work: each integer dot yields eight outputs' partial sums in
 // eight lanes, and each block's fp16 scales (and Q4_1's minimums) of the eight rows are one load.
 // The file's row-major blocks ask instead for a horizontal sum and a scalar scale per row and block,
 // about 7 cycles a block on a Zen 4, which made the default model's products compute-bound.
@@ -68,6 +68,11 @@ void permute_panels(const uint8_t* from, uint8_t* to, int64_t format, int64_t ou
   });
 }
 
+// Row r's file block put back together from its panel-block (the paths without a panel kernel).
+inline void file_block_of(const uint8_t* panel_block, int64_t format, int64_t r, uint8_t* block) {
+  for (int64_t j = 0; j < info_of(format).block_bytes; ++j) block[j] = panel_block[panel_byte(format, r, j)];
+}
+
 // Panels decoded block by block, each row's file block gathered back first (Q4_K's prompt GEMM).
 template <typename T>
 void decode_panels_by_block(const uint8_t* w, int64_t format, int64_t in, int64_t out_features, T* o) {
@@ -79,7 +84,7 @@ void decode_panels_by_block(const uint8_t* w, int64_t format, int64_t in, int64_
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* panel = w + (p * blocks + b) * kPanel * f.block_bytes;
         for (int64_t r = 0; r < kPanel; ++r) {
-          for (int64_t j = 0; j < f.block_bytes; ++j) block[j] = panel[panel_byte(format, r, j)];
+          file_block_of(panel, format, r, block);
           decode_block(format, block, o + (p * kPanel + r) * in + b * f.per_block);
         }
       }
@@ -181,8 +186,7 @@ void panel_tile_any(int64_t format, const uint8_t* p, int64_t blocks, const Roun
     for (int64_t n = 0; n < kPanel; ++n) {
       float sum = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* panel_block = p + b * kPanel * block_bytes;
-        for (int64_t j = 0; j < block_bytes; ++j) block[j] = panel_block[panel_byte(format, n, j)];
+        file_block_of(p + b * kPanel * block_bytes, format, n, block);
         sum += plain_block_product(format, block, r, row0 + k, b);
       }
       result[8 * k + n] = sum;

@@ -28,7 +28,9 @@ struct PanelScales {
   __m256i scale[8], minimum[8];
 };
 
-inline __m256i widen_bytes(uint64_t bytes) { return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))); }
+inline __m256i widen_bytes(uint64_t bytes) {
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)));
+}
 
 // get_scale_min_k4 for eight rows at once: the rows' byte i lie side by side in plane i, so each
 // field is the same shift and mask of one 64-bit word ((x >> 6) << 4 of a byte is (x >> 2) & 0x30).
