@@ -357,3 +357,19 @@ def test_a_reused_decoder_counts_only_the_compile_time_of_the_call_that_compiled
     assert first.compile_s > 0 and second.compile_s == 0
     assert second.decode_steps == first.decode_steps + 1 and second.decode_s > 0  # every step of this call timed
     decoder.release()
+
+
+def test_bf16_rows_step_through_the_bf16_kernel_as_the_model_reads_them():
+    """A bf16 model's eager steps take the few-row kernel over bf16 panels (`few_rows`); three
+    rows fed the same tokens as one forward of the whole text stay within bf16's rounding of it."""
+    model = build_tiny("llama").to(torch.bfloat16)
+    ids = torch.cat([_prompt(16), _prompt(16) + 1, _prompt(16) + 2])
+    decoder = Decoder(model, compile="never")
+    with policy_attention(model):
+        steps = [decoder.start(ids[:, :8].tolist(), 8)]
+        steps += [decoder.step(ids[:, position]) for position in range(8, 15)]
+    assert {panels.dtype for panels in decoder.packed.values()} == {torch.bfloat16}
+    got = torch.stack(steps, dim=1).float()
+    with torch.no_grad():
+        expected = model(ids[:, :15]).logits[:, 7:].float()
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()

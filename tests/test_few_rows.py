@@ -1,4 +1,4 @@
-"""The few-row products of a decode step: the fp32 kernel (`float_rows_linear`) against torch."""
+"""The few-row products of a decode step: the fp32 and bf16 kernel (`float_rows_linear`) against torch."""
 
 import pytest
 import torch
@@ -34,8 +34,34 @@ def test_a_row_comes_out_the_same_whatever_rows_share_the_call(rows):
         assert torch.equal(float_rows_op()(x[row : row + 1].contiguous(), pack(weight), 100)[0], together[row])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 33])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (7, 41), (130, 1029), (49, 16)])
+def test_the_bf16_kernel_equals_the_product_in_float64(rows, out_features, in_features):
+    """bf16 weights and rows: every row tile, odd inputs (a pair padded), outputs off the panel
+    width; the float64 sum of the bf16 values, rounded once to bf16 (one ulp for the fp32 sums)."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    got = float_rows_op()(x, pack(weight), out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    sum_error = 1e-5 * (x.double().abs() @ weight.double().abs().T)
+    assert ((got.double() - exact).abs() <= exact.abs() / 128 + sum_error).all()
+
+
+def test_a_bf16_row_comes_out_the_same_whatever_rows_share_the_call():
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(11, 200, generator=generator).bfloat16(), torch.randn(100, 200, generator=generator)
+    panels = pack(weight.bfloat16())
+    together = float_rows_op()(x, panels, 100)
+    for row in range(11):
+        assert torch.equal(float_rows_op()(x[row : row + 1].contiguous(), panels, 100)[0], together[row])
+
+
 def test_the_kernel_refuses_what_it_cannot_read():
-    with pytest.raises(RuntimeError, match="weight must be fp32 \\[out, in\\]"):
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        float_rows_op()(torch.randn(2, 8), pack(torch.randn(4, 8).bfloat16()), 4)
+    with pytest.raises(RuntimeError, match="weight must be fp32 or bf16 \\[out, in\\]"):
         pack(torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="packed must be float_rows_pack's panels"):
         float_rows_op()(torch.randn(2, 8), pack(torch.randn(4, 6)), 4)
@@ -53,6 +79,18 @@ def test_linear_with_and_without_the_kernel_equals_f_linear(rows):
     expected = torch.nn.functional.linear(x, weight, bias)
     for packed in (pack(weight), None):
         torch.testing.assert_close(linear(x, weight, bias, packed), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, FLOAT_ROWS_MAX, FLOAT_ROWS_MAX + 1])
+def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows):
+    """bf16 rows over bf16 panels: the kernel up to FLOAT_ROWS_MAX rows (within a bf16 rounding of
+    F.linear), F.linear itself beyond (a prompt read keeps oneDNN's bf16 GEMM, AMX where present)."""
+    x, weight = torch.randn(rows, 48).bfloat16(), torch.randn(24, 48).bfloat16()
+    got, expected = linear(x, weight, None, pack(weight)), torch.nn.functional.linear(x, weight)
+    if rows > FLOAT_ROWS_MAX:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1 / 128, atol=1e-2)
 
 
 def test_without_a_compiler_the_patched_layers_keep_torch_products(monkeypatch):

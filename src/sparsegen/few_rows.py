@@ -19,26 +19,28 @@ FLOAT_ROWS_MAX = 16
 
 @functools.cache
 def float_rows_op() -> Callable | None:
-    """`sparsegen::float_rows_linear` (x [rows, in] fp32 times a weight packed once by
-    `sparsegen::float_rows_pack`, the weight read once for every row: `kernels/float_rows.cpp`),
-    or None where the kernel cannot be built (said once on stderr; the products stay torch's)."""
+    """`sparsegen::float_rows_linear` (x [rows, in] fp32 or bf16 times a weight of the same dtype
+    packed once by `sparsegen::float_rows_pack`, the weight read once for every row:
+    `kernels/float_rows.cpp`, `kernels/float_rows_bf16.h`), or None where the kernel cannot be
+    built (said once on stderr; the products stay torch's)."""
     if load_float_rows() is None:
         return None
     return torch.ops.sparsegen.float_rows_linear
 
 
 PackedWeights = dict[torch.nn.Linear, torch.Tensor]
-"""Each fp32 CPU Linear layer's weight packed for `float_rows_linear`, by `pack_weights`."""
+"""Each fp32 or bf16 CPU Linear layer's weight packed for `float_rows_linear`, by `pack_weights`."""
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @torch.no_grad()
 def pack_weights(model: torch.nn.Module) -> PackedWeights:
-    """The model's fp32 CPU Linear weights in the few-row kernel's panels (a copy as large as those
+    """The model's fp32 and bf16 CPU Linear weights in the few-row kernel's panels (a copy as large as those
     weights: the layers keep theirs for their own forward and gradients), or none where the kernel
     cannot be built. A decoder packs once, at its first step, and hands the copies to every step
     (`use_gemv`, `few_row_linears`): weights changed after that are not seen by its products."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.is_cpu]
-    layers = [m for m in layers if m.weight.dtype == torch.float32]
+    layers = [m for m in layers if m.weight.dtype in PACKED_DTYPES]
     if not layers or float_rows_op() is None:
         return {}
     return {module: torch.ops.sparsegen.float_rows_pack(module.weight.detach()) for module in layers}
@@ -51,9 +53,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows become one multiply-and-sum over the weight rows (inductor emits a streaming reduction
     near the memory bus's speed: 2x the batch-1 `mm` kernel on this CPU). Eagerly, fp32 products
     go to the kernel over the layer's `packed` weight (`pack_weights`) at any row count (it beats
-    oneDNN from 3 to 2,048 rows here, by 44% at 48: docs/benchmarks.md), unless a gradient is
-    wanted. Without it, up to `FLOAT_ROWS_MAX` rows go weight first (`weight @ x.T`: MKL streams
-    the weight faster that way round), more to `prompt_linear`."""
+    oneDNN from 3 to 2,048 rows here, by 44% at 48: docs/benchmarks.md), bf16 ones up to
+    `FLOAT_ROWS_MAX` rows (a prompt's read stays oneDNN's, which has AMX where the CPU does),
+    unless a gradient is wanted. Without it, up to `FLOAT_ROWS_MAX` rows go weight first
+    (`weight @ x.T`: MKL streams the weight faster that way round), more to `prompt_linear`."""
     if not x.is_cpu:
         return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
@@ -64,6 +67,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return (out if bias is None else out + bias).to(x.dtype)
     if packed is not None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         packed = None  # the kernel has no gradient
+    if packed is not None and packed.dtype == torch.bfloat16 and rows > FLOAT_ROWS_MAX:
+        packed = None
     if rows > FLOAT_ROWS_MAX and packed is None:
         return prompt_linear(x, weight, bias)
     return _row_product(x, weight, bias, rows, packed)
@@ -82,10 +87,10 @@ def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, packed):
-    """The fp32 kernel over `packed` where given and x is fp32, else weight first (`weight @ x.T`);
+    """The kernel over `packed` where given and x has its dtype, else weight first (`weight @ x.T`);
     neither asks anything of the row count."""
     flat = x.reshape(rows, x.shape[-1])
-    if packed is not None and x.dtype == torch.float32:
+    if packed is not None and x.dtype == packed.dtype:
         out = torch.ops.sparsegen.float_rows_linear(flat.contiguous(), packed, weight.shape[0])
     else:
         out = (weight @ flat.T).T

@@ -11,6 +11,7 @@
 //
 //   float_rows_pack(weight [out, in]) -> packed [ceil(out / kWidth), in, kWidth] (zero padded)
 //   float_rows_linear(x [rows, in], packed, out) -> [rows, out]
+// A bf16 weight packs into bf16 panels of input pairs and multiplies bf16 rows (float_rows_bf16.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -122,12 +123,20 @@ void panel_rows(const float* x, const float* panel, int64_t rows, int64_t in, in
 
 }  // namespace
 
+#include "float_rows_bf16.h"
+
 torch::Tensor float_rows_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.dim() == 2,
-              "float_rows_pack: weight must be fp32 [out, in]");
+  TORCH_CHECK((weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16) && weight.dim() == 2,
+              "float_rows_pack: weight must be fp32 or bf16 [out, in]");
   const auto source = weight.contiguous();
   const int64_t out_features = source.size(0), in = source.size(1);
   const int64_t panels = (out_features + kWidth - 1) / kWidth;
+  if (source.scalar_type() == torch::kBFloat16) {
+    auto packed = torch::empty({panels, (in + 1) / 2, kWidth, 2}, source.options());
+    bf16_rows::pack(reinterpret_cast<const uint16_t*>(source.data_ptr<at::BFloat16>()), out_features, in,
+                    reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()));
+    return packed;
+  }
   auto packed = torch::empty({panels, in, kWidth}, source.options());
   const float* from = source.data_ptr<float>();
   float* to = packed.data_ptr<float>();
@@ -144,7 +153,29 @@ torch::Tensor float_rows_pack(torch::Tensor weight) {
   return packed;
 }
 
+// The bf16 product: x [rows, in] bf16 over bf16 panels [panels, in / 2, kWidth, 2] -> [rows, out] bf16.
+torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "float_rows_linear: x must be bf16 [rows, in], contiguous, over bf16 panels");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(1) == (x.size(1) + 1) / 2 &&
+                  packed.size(2) == kWidth && packed.size(3) == 2 &&
+                  packed.size(0) == (out_features + kWidth - 1) / kWidth,
+              "float_rows_linear: packed must be float_rows_pack's panels of a weight with x's in and out_features");
+  const int64_t rows = x.size(0), pairs = packed.size(1), panels = packed.size(0);
+  const auto inputs = bf16_rows::input_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows,
+                                             x.size(1));
+  auto out = torch::empty({rows, out_features}, x.options());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p)
+      bf16_rows::panel_rows(inputs.data(), wp + p * pairs * kWidth * 2, rows, pairs, out_features, p * kWidth, op);
+  });
+  return out;
+}
+
 torch::Tensor float_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  if (packed.scalar_type() == torch::kBFloat16) return bf16_rows_linear(x, packed, out_features);
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
               "float_rows_linear: x must be fp32 [rows, in], contiguous");
   TORCH_CHECK(packed.scalar_type() == torch::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
