@@ -147,8 +147,9 @@ def test_the_kernels_decoder_equals_ggufs_own(qtype):
     ("flag", "qtype", "bf16"),
     [
         ("amx_bf16", GGMLQuantizationType.Q4_K, True),  # AMX's tiles: the GEMM, panels or not
-        ("avx512_bf16", GGMLQuantizationType.Q6_K, True),  # file-order blocks: the GEMM past the rows
+        ("avx512_bf16", GGMLQuantizationType.Q5_K, True),  # file-order blocks: the GEMM past the rows
         ("avx512_bf16", GGMLQuantizationType.Q4_K, False),  # panels' dots beat AVX512-BF16's GEMM
+        ("avx512_bf16", GGMLQuantizationType.Q6_K, True),  # Q6_K's panels: the GEMM past the rows
         (None, GGMLQuantizationType.Q6_K, False),  # no native bf16: dots at any row count
     ],
 )

@@ -130,9 +130,9 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor blocks, int64_t format,
   return out;
 }
 
-// The same product over `panels`, the tensor as `gguf_panels` repacked it (Q4_0, Q4_1, Q4_K; gguf_panels.h).
+// The same product over `panels`, the tensor as `gguf_panels` repacked it (Q4_0, Q4_1, Q4_K, Q6_K; gguf_panels.h).
 torch::Tensor gguf_panel_linear(torch::Tensor x, torch::Tensor panels, int64_t format, int64_t in) {
-  TORCH_CHECK(panel_format(format), "gguf_panel_linear: panels are Q4_0, Q4_1 or Q4_K, not ggml type ", format);
+  TORCH_CHECK(panel_format(format), "gguf_panel_linear: panels are Q4_0, Q4_1, Q4_K or Q6_K, not ggml type ", format);
   const FormatInfo f = info_of(format);
   const int64_t per_row = checked_blocks(x, panels, f, in), rows = x.size(0), out_features = panels.size(0);
   TORCH_CHECK(out_features % kPanel == 0, "gguf_panel_linear: ", out_features, " outputs are not whole panels");
@@ -150,9 +150,9 @@ torch::Tensor gguf_panel_linear(torch::Tensor x, torch::Tensor panels, int64_t f
   return out;
 }
 
-// A Q4_0 / Q4_1 / Q4_K tensor's file rows as panels, or (`inverse`) panels back to the file's rows.
+// A Q4_0 / Q4_1 / Q4_K / Q6_K tensor's file rows as panels, or (`inverse`) panels back to the file's rows.
 torch::Tensor gguf_panels(torch::Tensor blocks, int64_t format, int64_t in, bool inverse) {
-  TORCH_CHECK(panel_format(format), "gguf_panels: panels are Q4_0, Q4_1 or Q4_K, not ggml type ", format);
+  TORCH_CHECK(panel_format(format), "gguf_panels: panels are Q4_0, Q4_1, Q4_K or Q6_K, not ggml type ", format);
   const FormatInfo f = info_of(format);
   const int64_t per_row = in / f.per_block;
   TORCH_CHECK(in % f.per_block == 0 && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
@@ -202,7 +202,7 @@ torch::Tensor decoded_weight(torch::Tensor blocks, int64_t format, int64_t in, a
               "gguf_weight: blocks must be uint8 [out, ", in / f.per_block * f.block_bytes, "], contiguous");
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "gguf_weight: fp32 or bf16");
   TORCH_CHECK(!paneled || (panel_format(format) && blocks.size(0) % kPanel == 0),
-              "gguf_panel_weight: Q4_0, Q4_1 or Q4_K panels");
+              "gguf_panel_weight: Q4_0, Q4_1, Q4_K or Q6_K panels");
   auto out = torch::empty({blocks.size(0), in}, blocks.options().dtype(dtype));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   if (dtype == torch::kFloat)

@@ -1,5 +1,5 @@
-// Q4_0 and Q4_1 tensors (Q4_K: gguf_panels_k.h) repacked once at load into panels of eight output
-// rows, so that one decode step's product is whole-vector work: each integer dot yields eight outputs' partial sums in
+// Q4_0 and Q4_1 tensors (Q4_K: gguf_panels_k.h; Q6_K: gguf_panels_q6k.h) repacked once at load into
+// panels of eight output rows, so that one decode step's product is whole-vector work: each integer dot yields eight outputs' partial sums in
 // eight lanes, and each block's fp16 scales (and Q4_1's minimums) of the eight rows are one load.
 // The file's row-major blocks ask instead for a horizontal sum and a scalar scale per row and block,
 // about 7 cycles a block on a Zen 4, which made the default model's products compute-bound.
@@ -15,7 +15,9 @@
 
 constexpr int64_t kPanel = 8;
 
-inline bool panel_format(int64_t format) { return format == kQ4_0 || format == kQ4_1 || format == kQ4_K; }
+inline bool panel_format(int64_t format) {
+  return format == kQ4_0 || format == kQ4_1 || format == kQ4_K || format == kQ6_K;
+}
 
 #ifdef SPARSEGEN_AVX2
 // Unsigned codes times signed input bytes, four products a lane summed into acc (exact in int32).
@@ -35,10 +37,12 @@ inline __m256i quad_of(const int8_t* a) {
 #endif
 
 #include "gguf_panels_k.h"
+#include "gguf_panels_q6k.h"
 
 // Where byte j of row r's file block sits in its panel-block.
 inline int64_t panel_byte(int64_t format, int64_t r, int64_t j) {
   if (format == kQ4_K) return q4_k_panel_byte(r, j);
+  if (format == kQ6_K) return q6_k_panel_byte(r, j);
   const int64_t header = format == kQ4_1 ? 4 : 2, codes = format == kQ4_1 ? 32 : 16;
   if (j < 2) return 2 * r + j;                       // d
   if (j < header) return 16 + 2 * r + (j - 2);       // m
@@ -73,7 +77,7 @@ inline void file_block_of(const uint8_t* panel_block, int64_t format, int64_t r,
   for (int64_t j = 0; j < info_of(format).block_bytes; ++j) block[j] = panel_block[panel_byte(format, r, j)];
 }
 
-// Panels decoded block by block, each row's file block gathered back first (Q4_K's prompt GEMM).
+// Panels decoded block by block, each row's file block gathered back first (the K-quants' prompt GEMM).
 template <typename T>
 void decode_panels_by_block(const uint8_t* w, int64_t format, int64_t in, int64_t out_features, T* o) {
   const FormatInfo f = info_of(format);
@@ -96,7 +100,7 @@ void decode_panels_by_block(const uint8_t* w, int64_t format, int64_t in, int64_
 // d u + m for Q4_1, d (u - 8) for Q4_0 (a prompt's float GEMM, without putting the file order back).
 template <typename T>
 void decode_panels(const uint8_t* w, int64_t format, int64_t in, int64_t out_features, T* o) {
-  if (format == kQ4_K) return decode_panels_by_block(w, format, in, out_features, o);
+  if (format == kQ4_K || format == kQ6_K) return decode_panels_by_block(w, format, in, out_features, o);
   const int64_t block_bytes = info_of(format).block_bytes, blocks = in / 32;
   const bool has_min = format == kQ4_1;
   const int64_t codes = has_min ? 32 : 16;
@@ -157,6 +161,8 @@ template <int64_t F, int kRows>
 void rows_of_panel(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, float* result) {
   if constexpr (F == kQ4_K)
     q4_k_panel_rows<kRows>(p, blocks, r, row0, result);
+  else if constexpr (F == kQ6_K)
+    q6_k_panel_rows<kRows>(p, blocks, r, row0, result);
   else
     panel_rows<F, kRows>(p, blocks, r, row0, result);
 }
@@ -177,6 +183,7 @@ void panel_tile_any(int64_t format, const uint8_t* p, int64_t blocks, const Roun
                     float* result) {
 #ifdef SPARSEGEN_AVX2
   if (format == kQ4_K) return panel_tile<kQ4_K>(p, blocks, r, row0, count, result);
+  if (format == kQ6_K) return panel_tile<kQ6_K>(p, blocks, r, row0, count, result);
   if (format == kQ4_1) return panel_tile<kQ4_1>(p, blocks, r, row0, count, result);
   return panel_tile<kQ4_0>(p, blocks, r, row0, count, result);
 #else

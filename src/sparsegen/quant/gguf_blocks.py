@@ -25,11 +25,16 @@ KERNEL_TYPES = tuple(
 )
 """The block formats the integer-dot kernel reads; other quantized tensors are dequantized at load."""
 
-PANEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+PANEL_TYPES = tuple(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K"))
 PANEL_ROWS = 8
 """Formats repacked at load into panels of 8 output rows (`kernels/gguf_panels.h`): one integer dot
 gives eight outputs' sums, one load eight rows' scales. On a Zen 4, 2 threads, a 1536 x 576 Q4_1
-product went from 40 to 15 us; the file's rows made the default model's products compute-bound."""
+product went from 40 to 15 us; the file's rows made the default model's products compute-bound.
+Q6_K's panels (the 1.5B's head and half its down products) gain most with several rows: the head at
+8 rows 29.0 -> 18.4 ms."""
+DOT_PROMPT_TYPES = PANEL_TYPES[:3]
+"""Panels whose integer dots beat decoding the matrix for AVX512-BF16's GEMM on a prompt (Q6_K's do not:
+the 1.5B's 1536 x 8960 at 512 rows took 62.3 ms against 56.4, Zen 4, 2 threads)."""
 
 
 def kernels_ready() -> bool:
@@ -54,12 +59,12 @@ Q4_K (Q6_K) product took 6.0 (5.8) ms as integer dots at 32 rows against 19.2 (1
 matrix (16 ms) pays only past about 128 rows, so decode steps of batched rows stay integer dots."""
 
 
-def _bf16_prompts_pay(flag: str | None, paneled: bool) -> bool:
-    """Whether a prompt's rows past `BF16_ABOVE_ROWS` go through a bf16 GEMM. Panels' integer dots
-    beat decoding the matrix for AVX512-BF16's GEMM at every row count measured (Zen 4, 2 threads,
-    the 1.5B's 8960 x 1536 Q4_K at 512 rows: 32.7 ms against 46.6; Q4_1 1536 x 576 at 2,048 rows:
-    7.9 against 11.5), so they take it only where AMX's tiles compute the GEMM."""
-    return flag is not None and (flag == "amx_bf16" or not paneled)
+def _bf16_prompts_pay(flag: str | None, dots_pay: bool) -> bool:
+    """Whether a prompt's rows past `BF16_ABOVE_ROWS` go through a bf16 GEMM. The panels of
+    `DOT_PROMPT_TYPES` (`dots_pay`) beat decoding the matrix for AVX512-BF16's GEMM at every row count
+    measured (Zen 4, 2 threads, the 1.5B's 8960 x 1536 Q4_K at 512 rows: 32.7 ms against 46.6; Q4_1
+    1536 x 576 at 2,048 rows: 7.9 against 11.5), so they take it only where AMX's tiles compute it."""
+    return flag is not None and (flag == "amx_bf16" or not dots_pay)
 
 
 class GGUFLinear(IntegerDotLinear):
@@ -78,7 +83,7 @@ class GGUFLinear(IntegerDotLinear):
         self.qtype = qtype
         self.on_kernel = kernels_ready()  # else the float weight, decoded each call (slow, exact)
         self.paneled = self.on_kernel and qtype in PANEL_TYPES and blocks.shape[0] % PANEL_ROWS == 0
-        if self.on_kernel and _bf16_prompts_pay(cpu_bf16_flag(), self.paneled):
+        if self.on_kernel and _bf16_prompts_pay(cpu_bf16_flag(), self.paneled and qtype in DOT_PROMPT_TYPES):
             self.float_above_rows = BF16_ABOVE_ROWS
         if self.paneled:  # a repacked copy: the file's mapped pages are then never read
             blocks = torch.ops.sparsegen.gguf_panels(blocks.contiguous(), int(qtype), in_features, False)
