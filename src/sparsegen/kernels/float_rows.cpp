@@ -96,28 +96,44 @@ void tile(const float* x, const float* panel, int64_t in, int64_t r0, bool prefe
 #endif
 }
 
-// out[:, o0, o0 + width) for every row, from one panel.
-void panel_rows(const float* x, const float* panel, int64_t rows, int64_t in, int64_t out_features, int64_t o0,
-                float* out) {
+// Tile::run<R>(args...) for a tile of 1 <= count <= kRows rows: each size its own code.
+template <typename Tile, typename... Args>
+void by_tile(int64_t count, Args... args) {
+  switch (count) {
+    case 1: return Tile::template run<1>(args...);
+    case 2: return Tile::template run<2>(args...);
+    case 3: return Tile::template run<3>(args...);
+#if !defined(SPARSEGEN_PLAIN) && defined(__AVX512F__)
+    case 4: return Tile::template run<4>(args...);
+    case 5: return Tile::template run<5>(args...);
+    case 6: return Tile::template run<6>(args...);
+    case 7: return Tile::template run<7>(args...);
+#endif
+    default: return Tile::template run<kRows>(args...);
+  }
+}
+
+struct FloatTile {
+  template <int kR>
+  static void run(const float* x, const float* panel, int64_t in, int64_t r0, bool prefetch, float* sums) {
+    tile<kR>(x, panel, in, r0, prefetch, sums);
+  }
+  static float store(float sum) { return sum; }
+};
+
+// out[:, o0, o0 + width) for every row, from one panel (`depth` inputs, or input pairs, a line),
+// each sum stored through Tile::store (as it is, or rounded to bf16).
+template <typename Tile, typename In, typename Weight, typename Out>
+void panel_rows(const In* x, const Weight* panel, int64_t rows, int64_t depth, int64_t out_features, int64_t o0,
+                Out* out) {
   float sums[kRows * kWidth];
   const int64_t width = std::min(kWidth, out_features - o0);
   const bool prefetch = rows <= 2;
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t count = std::min<int64_t>(kRows, rows - r0);
-    switch (count) {
-      case 1: tile<1>(x, panel, in, r0, prefetch, sums); break;
-      case 2: tile<2>(x, panel, in, r0, prefetch, sums); break;
-      case 3: tile<3>(x, panel, in, r0, prefetch, sums); break;
-#if !defined(SPARSEGEN_PLAIN) && defined(__AVX512F__)
-      case 4: tile<4>(x, panel, in, r0, prefetch, sums); break;
-      case 5: tile<5>(x, panel, in, r0, prefetch, sums); break;
-      case 6: tile<6>(x, panel, in, r0, prefetch, sums); break;
-      case 7: tile<7>(x, panel, in, r0, prefetch, sums); break;
-#endif
-      default: tile<kRows>(x, panel, in, r0, prefetch, sums); break;
-    }
+    by_tile<Tile>(count, x, panel, depth, r0, prefetch, sums);
     for (int64_t r = 0; r < count; ++r)
-      std::memcpy(out + (r0 + r) * out_features + o0, sums + r * kWidth, width * sizeof(float));
+      for (int64_t o = 0; o < width; ++o) out[(r0 + r) * out_features + o0 + o] = Tile::store(sums[r * kWidth + o]);
   }
 }
 
@@ -169,7 +185,8 @@ torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t ou
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p)
-      bf16_rows::panel_rows(inputs.data(), wp + p * pairs * kWidth * 2, rows, pairs, out_features, p * kWidth, op);
+      panel_rows<bf16_rows::PairTile>(inputs.data(), wp + p * pairs * kWidth * 2, rows, pairs, out_features,
+                                      p * kWidth, op);
   });
   return out;
 }
@@ -187,7 +204,8 @@ torch::Tensor float_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t o
   const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p) panel_rows(xp, wp + p * in * kWidth, rows, in, out_features, p * kWidth, op);
+    for (int64_t p = first; p < last; ++p)
+      panel_rows<FloatTile>(xp, wp + p * in * kWidth, rows, in, out_features, p * kWidth, op);
   });
   return out;
 }

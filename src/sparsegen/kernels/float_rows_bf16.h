@@ -105,30 +105,13 @@ void tile(const uint32_t* x, const uint16_t* panel, int64_t pairs, int64_t r0, b
 }
 #endif
 
-// out[:, o0, o0 + width) for every row, from one panel, rounded to bf16.
-inline void panel_rows(const uint32_t* x, const uint16_t* panel, int64_t rows, int64_t pairs, int64_t out_features,
-                       int64_t o0, uint16_t* out) {
-  float sums[kRows * kWidth];
-  const int64_t width = std::min(kWidth, out_features - o0);
-  const bool prefetch = rows <= 2;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int64_t count = std::min<int64_t>(kRows, rows - r0);
-    switch (count) {
-      case 1: tile<1>(x, panel, pairs, r0, prefetch, sums); break;
-      case 2: tile<2>(x, panel, pairs, r0, prefetch, sums); break;
-      case 3: tile<3>(x, panel, pairs, r0, prefetch, sums); break;
-#if !defined(SPARSEGEN_PLAIN) && defined(__AVX512F__)
-      case 4: tile<4>(x, panel, pairs, r0, prefetch, sums); break;
-      case 5: tile<5>(x, panel, pairs, r0, prefetch, sums); break;
-      case 6: tile<6>(x, panel, pairs, r0, prefetch, sums); break;
-      case 7: tile<7>(x, panel, pairs, r0, prefetch, sums); break;
-#endif
-      default: tile<kRows>(x, panel, pairs, r0, prefetch, sums); break;
-    }
-    for (int64_t r = 0; r < count; ++r)
-      for (int64_t o = 0; o < width; ++o) out[(r0 + r) * out_features + o0 + o] = narrow(sums[r * kWidth + o]);
+struct PairTile {
+  template <int kR>
+  static void run(const uint32_t* x, const uint16_t* panel, int64_t pairs, int64_t r0, bool prefetch, float* sums) {
+    tile<kR>(x, panel, pairs, r0, prefetch, sums);
   }
-}
+  static uint16_t store(float sum) { return narrow(sum); }
+};
 
 // The rows of x [rows, in] (bf16 bits) as input pairs in 32-bit words, an odd `in` padded with a zero.
 inline std::vector<uint32_t> input_pairs(const uint16_t* x, int64_t rows, int64_t in) {

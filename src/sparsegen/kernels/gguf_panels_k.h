@@ -49,6 +49,18 @@ inline PanelScales q4_k_panel_scales(const uint8_t* planes) {
   return s;
 }
 
+// Each lane's sum over j < 8 of its two int16 in pairs[j] times the input's sums[2j], sums[2j + 1]
+// (sixteen sums of sixteen inputs each, met by the eight rows' sub-block constants in vpmaddwd).
+inline __m256i pair_products(const __m256i* pairs, const int16_t* sums) {
+  __m256i total = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    int32_t pair;
+    std::memcpy(&pair, sums + 2 * j, 4);
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs[j], _mm256_set1_epi32(pair)));
+  }
+  return total;
+}
+
 // One Q4_K panel (eight outputs) times input rows [row0, row0 + kRows): result[k * 8 + r].
 // Per super-block: step * (d * sum_j scale_j (u_j . a_j) - dmin * sum_j minimum_j sum(a_j)).
 template <int kRows>
@@ -83,13 +95,7 @@ void q4_k_panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     for (int k = 0; k < kRows; ++k) {
       const int64_t at = (row0 + k) * blocks + b;
-      const int16_t* sums = r.sums16.data() + at * 16;
-      __m256i minimums = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        int32_t pair;
-        std::memcpy(&pair, sums + 2 * j, 4);
-        minimums = _mm256_add_epi32(minimums, _mm256_madd_epi16(s.minimum[j], _mm256_set1_epi32(pair)));
-      }
+      const __m256i minimums = pair_products(s.minimum, r.sums16.data() + at * 16);
       const __m256 step = _mm256_set1_ps(r.step[at]);
       acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[k]), _mm256_mul_ps(d, step), acc[k]);
       acc[k] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(minimums), _mm256_mul_ps(dmin, step), acc[k]);

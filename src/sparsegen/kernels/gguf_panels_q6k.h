@@ -12,7 +12,8 @@
 // and 128n + 96 + l; qh byte 32n + l holds the top two bits of 128n + l, + 32, + 64, + 96 in its
 // bit pairs 0-1, 2-3, 4-5, 6-7. Each sixteen inputs share a scale; a code is the six bits - 32.
 //
-// Included by gguf_panels.h (its pieces: kPanel, dot_quads, quad_of; gguf_blocks.h's Rounded, load32).
+// Included by gguf_panels.h after gguf_panels_k.h (its pieces: kPanel, dot_quads, quad_of, pair_products;
+// gguf_blocks.h's Rounded, load32).
 #pragma once
 
 constexpr int64_t kQ6Scales = 16, kQ6Steps = 144;  // panel offsets: the scale planes, the steps of codes
@@ -79,13 +80,7 @@ void q6_k_panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     for (int k = 0; k < kRows; ++k) {
       const int64_t at = (row0 + k) * blocks + b;
-      const int16_t* sums = r.sums16.data() + at * 16;
-      __m256i offset = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, sums + 2 * i, 4);
-        offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(pair)));
-      }
+      const __m256i offset = pair_products(pairs, r.sums16.data() + at * 16);
       const __m256i total = _mm256_sub_epi32(scaled[k], _mm256_slli_epi32(offset, 5));
       acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(r.step[at])), acc[k]);
     }
