@@ -35,8 +35,8 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 @torch.no_grad()
 def pack_weights(model: torch.nn.Module) -> PackedWeights:
-    """The model's fp32 and bf16 CPU Linear weights in the few-row kernel's panels (a copy as large as those
-    weights: the layers keep theirs for their own forward and gradients), or none where the kernel
+    """The model's fp32 and bf16 CPU Linear weights in the few-row kernel's panels (a copy as large
+    as those weights: the layers keep theirs for their own forward and gradients), or none where the kernel
     cannot be built. A decoder packs once, at its first step, and hands the copies to every step
     (`use_gemv`, `few_row_linears`): weights changed after that are not seen by its products."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.is_cpu]
@@ -65,10 +65,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.nn.functional.linear(x, weight, bias)
         out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
         return (out if bias is None else out + bias).to(x.dtype)
-    if packed is not None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        packed = None  # the kernel has no gradient
-    if packed is not None and packed.dtype == torch.bfloat16 and rows > FLOAT_ROWS_MAX:
-        packed = None
+    wants_gradient = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if packed is not None and (wants_gradient or (packed.dtype == torch.bfloat16 and rows > FLOAT_ROWS_MAX)):
+        packed = None  # the kernel has no gradient; a bf16 prompt stays oneDNN's
     if rows > FLOAT_ROWS_MAX and packed is None:
         return prompt_linear(x, weight, bias)
     return _row_product(x, weight, bias, rows, packed)

@@ -1,6 +1,7 @@
 // Q4_0 and Q4_1 tensors (Q4_K: gguf_panels_k.h; Q6_K: gguf_panels_q6k.h) repacked once at load into
-// panels of eight output rows, so that one decode step's product is whole-vector work: each integer dot yields eight outputs' partial sums in
-// eight lanes, and each block's fp16 scales (and Q4_1's minimums) of the eight rows are one load.
+// panels of eight output rows, so that one decode step's product is whole-vector work: each integer
+// dot yields eight outputs' partial sums in eight lanes, and each block's fp16 scales (and Q4_1's
+// minimums) of the eight rows are one load.
 // The file's row-major blocks ask instead for a horizontal sum and a scalar scale per row and block,
 // about 7 cycles a block on a Zen 4, which made the default model's products compute-bound.
 //

@@ -32,7 +32,7 @@ gives eight outputs' sums, one load eight rows' scales. On a Zen 4, 2 threads, a
 product went from 40 to 15 us; the file's rows made the default model's products compute-bound.
 Q6_K's panels (the 1.5B's head and half its down products) gain most with several rows: the head at
 8 rows 29.0 -> 18.4 ms."""
-DOT_PROMPT_TYPES = PANEL_TYPES[:3]
+DOT_PROMPT_TYPES = tuple(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q4_K"))
 """Panels whose integer dots beat decoding the matrix for AVX512-BF16's GEMM on a prompt (Q6_K's do not:
 the 1.5B's 1536 x 8960 at 512 rows took 62.3 ms against 56.4, Zen 4, 2 threads)."""
 
