@@ -140,6 +140,7 @@ void panel_rows(const In* x, const Weight* panel, int64_t rows, int64_t depth, i
 }  // namespace
 
 #include "float_rows_bf16.h"
+#include "span_attention.h"
 
 torch::Tensor float_rows_pack(torch::Tensor weight) {
   TORCH_CHECK((weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16) && weight.dim() == 2,
@@ -215,15 +216,67 @@ torch::Tensor float_rows_linear_meta(torch::Tensor x, torch::Tensor packed, int6
   return at::empty_symint({x.sym_size(0), c10::SymInt(out_features)}, x.options());
 }
 
+// Causal attention of a prompt read: query [heads, queries, dim], key and value [kv heads, keys,
+// dim], bf16, keys >= queries (the queries are the last keys) -> [heads, queries, dim] bf16.
+torch::Tensor span_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scaling) {
+  using namespace span_attention;
+  const bool bf16 = query.scalar_type() == torch::kBFloat16 && key.scalar_type() == torch::kBFloat16 &&
+                    value.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 && query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes(),
+              "span_attention: query [heads, queries, dim], key and value [kv heads, keys, dim], all bf16");
+  const int64_t heads = query.size(0), queries = query.size(1), dim = query.size(2), kv_heads = key.size(0);
+  const int64_t count = key.size(1);
+  TORCH_CHECK(key.size(2) == dim && dim % 16 == 0 && heads % kv_heads == 0 && count >= queries,
+              "span_attention: dims must match (a multiple of 16), heads a multiple of kv heads, keys >= queries");
+  const auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
+  const int64_t blocks = (count + kKeys - 1) / kKeys, pairs = (count + 1) / 2;
+  auto packed_keys = torch::empty({kv_heads, blocks * kKeys * dim}, k.options());
+  auto packed_values = torch::empty({kv_heads, pairs * 2 * dim}, v.options());
+  const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t h = i / 2;
+      if (i % 2 == 0) pack_keys(bits(k) + h * count * dim, count, dim, bits(packed_keys) + h * blocks * kKeys * dim);
+      else pack_values(bits(v) + h * count * dim, count, dim, bits(packed_values) + h * pairs * 2 * dim);
+    }
+  });
+  auto out = torch::empty({heads, queries, dim}, q.options());
+  const Span span{reinterpret_cast<const uint32_t*>(bits(q)), bits(packed_keys), bits(packed_values), bits(out),
+                  queries, count - queries, dim, heads / kv_heads, blocks, pairs, static_cast<float>(scaling)};
+  const int64_t query_blocks = (queries + kQueryBlock - 1) / kQueryBlock;
+  // items in the order first block, last block, second, second to last...: each thread's even share
+  // of them holds as many keys to read as the other's
+  at::parallel_for(0, heads * query_blocks, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores, mixed;
+    std::vector<uint32_t> probs;
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t turn = item / heads, head = item % heads;
+      const int64_t block = turn % 2 == 0 ? turn / 2 : query_blocks - 1 - turn / 2;
+      const int64_t i0 = block * kQueryBlock;
+      span.run(head, i0, std::min(kQueryBlock, queries - i0), scores, probs, mixed);
+    }
+  });
+  return out;
+}
+
+torch::Tensor span_attention_meta(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scaling) {
+  return at::empty_symint(query.sym_sizes(), query.options());
+}
+
 // Registered with the dispatcher from C++, so a call costs no Python.
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("float_rows_pack(Tensor weight) -> Tensor");
   m.def("float_rows_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("span_attention(Tensor query, Tensor key, Tensor value, float scaling) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("float_rows_pack", &float_rows_pack);
   m.impl("float_rows_linear", &float_rows_linear);
+  m.impl("span_attention", &span_attention_op);
 }
-TORCH_LIBRARY_IMPL(sparsegen, Meta, m) { m.impl("float_rows_linear", &float_rows_linear_meta); }
+TORCH_LIBRARY_IMPL(sparsegen, Meta, m) {
+  m.impl("float_rows_linear", &float_rows_linear_meta);
+  m.impl("span_attention", &span_attention_meta);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

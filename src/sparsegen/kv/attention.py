@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.prompt_attention import sdpa_or_span
 
 PREFIX = "sparsegen_"
-BASE_IMPLEMENTATIONS = {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (eager_attention_forward, eager_mask)}
+BASE_IMPLEMENTATIONS = {"sdpa": (sdpa_or_span, sdpa_mask), "eager": (eager_attention_forward, eager_mask)}
 
 
 def policy_layer_of(cache, index: int | None):

@@ -1,0 +1,39 @@
+"""The attention of a prompt read on a CPU in bf16: `sparsegen::span_attention` (the C++ kernel in
+`kernels/span_attention.h`, 2-4x torch's flash attention at the spans a server reads:
+docs/benchmarks.md, "Prompt reads") wherever sdpa would run plain causal attention, sdpa itself
+everywhere else. Policy attention (`kv.attention`) runs this in sdpa's place."""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from sparsegen.few_rows import float_rows_op
+
+DIM_MULTIPLE = 16
+"""Head sizes the kernel takes: whole vectors of 16 lanes (every model here: 64, 128, 256)."""
+
+
+def sdpa_or_span(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """sdpa's attention (same arguments, same result up to the order of sums): the kernel where sdpa
+    would attend causally over the queries' own keys (no mask, as many keys as queries, no dropout,
+    softcap or position bias) on bf16 CPU tensors, eagerly and with no gradient; sdpa otherwise."""
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if _takes_span(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
+        op = torch.ops.sparsegen.span_attention
+        out = torch.stack([op(q, k, v, scaling) for q, k, v in zip(query, key, value, strict=True)])
+        return out.transpose(1, 2).contiguous(), None  # [batch, queries, heads, dim], as sdpa's returns
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+
+
+def _takes_span(module, query, key, value, mask, dropout, is_causal, kwargs) -> bool:
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    plain = mask is None and causal and dropout == 0 and query.shape[2] > 1 and key.shape[2] == query.shape[2]
+    plain = plain and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    tensors = (query, key, value)
+    bf16_cpu = all(t.is_cpu and t.dtype == torch.bfloat16 for t in tensors) and query.shape[-1] % DIM_MULTIPLE == 0
+    wants_gradient = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    eager = not torch.compiler.is_compiling() and not wants_gradient
+    return bool(plain and bf16_cpu and eager) and float_rows_op() is not None
