@@ -26,13 +26,10 @@ def float64_attention(query, key, value, scaling):
     return torch.softmax(scores.masked_fill(later, float("-inf")), -1) @ values
 
 
-def inputs(heads, kv_heads, dim, queries, keys, seed=0):
+def inputs(heads, kv_heads, dim, queries, keys, seed=0, dtype=torch.bfloat16):
     generator = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(heads, queries, dim, generator=generator).bfloat16(),
-        torch.randn(kv_heads, keys, dim, generator=generator).bfloat16(),
-        torch.randn(kv_heads, keys, dim, generator=generator).bfloat16(),
-    )
+    shapes = (heads, queries, dim), (kv_heads, keys, dim), (kv_heads, keys, dim)
+    return tuple(torch.randn(shape, generator=generator).to(dtype) for shape in shapes)
 
 
 @pytest.mark.parametrize(
@@ -49,13 +46,15 @@ def inputs(heads, kv_heads, dim, queries, keys, seed=0):
 )
 def test_the_kernel_equals_causal_attention_in_float64(heads, kv_heads, dim, queries, keys):
     """Query blocks and row tiles cut anywhere, GQA groups of 1-8, head sizes of one to sixteen
-    vectors (a tail off the mix's chunk), queries that are the last of more keys; within what
-    rounding the output and the probabilities to bf16 allows (as torch's bf16 attention rounds)."""
-    query, key, value = inputs(heads, kv_heads, dim, queries, keys)
-    got = span(query, key, value, dim**-0.5)
-    assert got.shape == query.shape and got.dtype == torch.bfloat16
-    exact = float64_attention(query, key, value, dim**-0.5)
-    assert ((got.double() - exact).abs() <= exact.abs() / 128 + 0.01).all()
+    vectors (a tail off the mix's chunk), queries that are the last of more keys; in bf16 within
+    what rounding the output and the probabilities to bf16 allows (as torch's bf16 attention
+    rounds), in fp32 within fp32 sums."""
+    for dtype, tolerance in ((torch.bfloat16, 1 / 128), (torch.float32, 1e-5)):
+        query, key, value = inputs(heads, kv_heads, dim, queries, keys, dtype=dtype)
+        got = span(query, key, value, dim**-0.5)
+        assert got.shape == query.shape and got.dtype == dtype
+        exact = float64_attention(query, key, value, dim**-0.5)
+        assert ((got.double() - exact).abs() <= exact.abs() * tolerance + tolerance).all()
 
 
 def test_a_row_depends_only_on_the_keys_it_sees():
@@ -66,12 +65,16 @@ def test_a_row_depends_only_on_the_keys_it_sees():
     for n in (1, 7, 32, 33, 64):
         cut = span(query[:, :n].contiguous(), key[:, :n].contiguous(), value[:, :n].contiguous(), 0.125)
         assert torch.equal(cut, whole[:, :n])
+    query, key, value = inputs(6, 2, 64, 90, 90, seed=1, dtype=torch.float32)
+    assert torch.equal(span(query[:, :33], key[:, :33], value[:, :33], 0.125), span(query, key, value, 0.125)[:, :33])
 
 
 def test_the_kernel_refuses_what_it_cannot_read():
     query, key, value = inputs(4, 2, 64, 8, 8)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="all bf16 or all fp32"):
         span(query.float(), key, value, 0.125)
+    with pytest.raises(RuntimeError, match="all bf16 or all fp32"):
+        span(query.half(), key.half(), value.half(), 0.125)
     with pytest.raises(RuntimeError, match="keys >= queries"):
         span(query, key[:, :4], value[:, :4], 0.125)
     with pytest.raises(RuntimeError, match="multiple"):
@@ -92,7 +95,8 @@ def kernel_calls(action) -> int:
 
 def test_sdpa_or_span_takes_the_kernel_only_where_sdpa_attends_plain_causally():
     """Where it runs, the kernel's output is sdpa's up to rounding; a mask, more keys than
-    queries, fp32, a gradient or a single query keep sdpa's own call."""
+    queries, fp16, an fp32 span past `FLOAT_SPAN_MAX`, a gradient or a single query keep sdpa's
+    own call."""
     query, key, value = (t[None] for t in inputs(4, 2, 32, 20, 20))
     got = []
     assert kernel_calls(
@@ -104,14 +108,18 @@ def test_sdpa_or_span_takes_the_kernel_only_where_sdpa_attends_plain_causally():
     assert ((out.double() - expected).abs() <= expected.abs() / 128 + 0.01).all()
     mask = torch.ones(1, 1, 20, 20, dtype=torch.bool).tril_()
     longer = torch.cat([key, key], dim=2), torch.cat([value, value], dim=2)
+    fp32 = tuple(t.float() for t in (query, key, value))
+    long_fp32 = tuple(t.repeat(1, 1, 60, 1) for t in fp32)  # 1,200 queries
     others = [
         lambda: prompt_attention.sdpa_or_span(Module(), query, key, value, mask, scaling=0.2),
-        lambda: prompt_attention.sdpa_or_span(Module(), query.float(), key.float(), value.float(), None),
+        lambda: prompt_attention.sdpa_or_span(Module(), query.half(), key.half(), value.half(), None),
+        lambda: prompt_attention.sdpa_or_span(Module(), *long_fp32, None),
         lambda: prompt_attention.sdpa_or_span(Module(), query[:, :, :1], key[:, :, :1], value[:, :, :1], None),
         lambda: prompt_attention.sdpa_or_span(Module(), query, *longer, None, scaling=0.2),
     ]
     for other in others:
         assert kernel_calls(other) == 0
+    assert kernel_calls(lambda: prompt_attention.sdpa_or_span(Module(), *fp32, None))
     with torch.enable_grad():
         leaf = query.clone().requires_grad_()
         assert kernel_calls(lambda: prompt_attention.sdpa_or_span(Module(), leaf, key, value, None)) == 0

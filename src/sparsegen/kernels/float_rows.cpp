@@ -216,39 +216,34 @@ torch::Tensor float_rows_linear_meta(torch::Tensor x, torch::Tensor packed, int6
   return at::empty_symint({x.sym_size(0), c10::SymInt(out_features)}, x.options());
 }
 
-// Causal attention of a prompt read: query [heads, queries, dim], key and value [kv heads, keys,
-// dim], bf16, keys >= queries (the queries are the last keys) -> [heads, queries, dim] bf16.
-torch::Tensor span_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scaling) {
-  using namespace span_attention;
-  const bool bf16 = query.scalar_type() == torch::kBFloat16 && key.scalar_type() == torch::kBFloat16 &&
-                    value.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 && query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes(),
-              "span_attention: query [heads, queries, dim], key and value [kv heads, keys, dim], all bf16");
-  const int64_t heads = query.size(0), queries = query.size(1), dim = query.size(2), kv_heads = key.size(0);
-  const int64_t count = key.size(1);
-  TORCH_CHECK(key.size(2) == dim && dim % 16 == 0 && heads % kv_heads == 0 && count >= queries,
-              "span_attention: dims must match (a multiple of 16), heads a multiple of kv heads, keys >= queries");
-  const auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
-  const int64_t blocks = (count + kKeys - 1) / kKeys, pairs = (count + 1) / 2;
-  auto packed_keys = torch::empty({kv_heads, blocks * kKeys * dim}, k.options());
-  auto packed_values = torch::empty({kv_heads, pairs * 2 * dim}, v.options());
-  const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+namespace span_attention {
+
+template <typename W>
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scaling) {
+  using Element = typename W::Element;
+  using Word = typename W::Word;
+  const int64_t heads = q.size(0), queries = q.size(1), dim = q.size(2), kv_heads = k.size(0), count = k.size(1);
+  const int64_t blocks = (count + kKeys - 1) / kKeys, value_words = (count + W::kPer - 1) / W::kPer;
+  std::vector<Word> keys(kv_heads * blocks * kKeys * dim / W::kPer), values(kv_heads * value_words * dim);
+  const auto elements = [](const torch::Tensor& t) { return reinterpret_cast<Element*>(t.data_ptr()); };
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t h = i / 2;
-      if (i % 2 == 0) pack_keys(bits(k) + h * count * dim, count, dim, bits(packed_keys) + h * blocks * kKeys * dim);
-      else pack_values(bits(v) + h * count * dim, count, dim, bits(packed_values) + h * pairs * 2 * dim);
+      if (i % 2 == 0)
+        pack_keys<W>(elements(k) + h * count * dim, count, dim, keys.data() + h * blocks * kKeys * dim / W::kPer);
+      else
+        pack_values<W>(elements(v) + h * count * dim, count, dim, values.data() + h * value_words * dim);
     }
   });
   auto out = torch::empty({heads, queries, dim}, q.options());
-  const Span span{reinterpret_cast<const uint32_t*>(bits(q)), bits(packed_keys), bits(packed_values), bits(out),
-                  queries, count - queries, dim, heads / kv_heads, blocks, pairs, static_cast<float>(scaling)};
+  const Span<W> span{reinterpret_cast<const Word*>(q.data_ptr()), keys.data(), values.data(), elements(out), queries,
+                     count - queries, dim, heads / kv_heads, blocks, value_words, scaling};
   const int64_t query_blocks = (queries + kQueryBlock - 1) / kQueryBlock;
   // items in the order first block, last block, second, second to last...: each thread's even share
   // of them holds as many keys to read as the other's
   at::parallel_for(0, heads * query_blocks, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores, mixed;
-    std::vector<uint32_t> probs;
+    std::vector<Word> probs;
     for (int64_t item = first; item < last; ++item) {
       const int64_t turn = item / heads, head = item % heads;
       const int64_t block = turn % 2 == 0 ? turn / 2 : query_blocks - 1 - turn / 2;
@@ -257,6 +252,25 @@ torch::Tensor span_attention_op(torch::Tensor query, torch::Tensor key, torch::T
     }
   });
   return out;
+}
+
+}  // namespace span_attention
+
+// Causal attention of a prompt read: query [heads, queries, dim], key and value [kv heads, keys,
+// dim], all bf16 or all fp32, keys >= queries (the queries are the last keys) -> [heads, queries, dim].
+torch::Tensor span_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scaling) {
+  const auto type = query.scalar_type();
+  const bool same = key.scalar_type() == type && value.scalar_type() == type;
+  TORCH_CHECK(same && (type == torch::kBFloat16 || type == torch::kFloat) && query.dim() == 3 && key.dim() == 3 &&
+                  value.sizes() == key.sizes(),
+              "span_attention: query [heads, queries, dim], key and value [kv heads, keys, dim], all bf16 or all fp32");
+  const int64_t dim = query.size(2);
+  TORCH_CHECK(key.size(2) == dim && dim % 16 == 0 && query.size(0) % key.size(0) == 0 && key.size(1) >= query.size(1),
+              "span_attention: dims must match (a multiple of 16), heads a multiple of kv heads, keys >= queries");
+  const auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
+  const float scale = static_cast<float>(scaling);
+  if (type == torch::kBFloat16) return span_attention::attend<span_attention::PairWords>(q, k, v, scale);
+  return span_attention::attend<span_attention::FloatWords>(q, k, v, scale);
 }
 
 torch::Tensor span_attention_meta(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scaling) {

@@ -1,23 +1,27 @@
-"""The attention of a prompt read on a CPU in bf16: `sparsegen::span_attention` (the C++ kernel in
-`kernels/span_attention.h`, 2-4x torch's flash attention at the spans a server reads:
-docs/benchmarks.md, "Prompt reads") wherever sdpa would run plain causal attention, sdpa itself
-everywhere else. Policy attention (`kv.attention`) runs this in sdpa's place."""
+"""The attention of a prompt read on a CPU: `sparsegen::span_attention` (the C++ kernel in
+`kernels/span_attention.h`; in bf16 2-4x torch's flash attention from 48 to 4,096 tokens, in fp32
+1.4-1.9x up to 1,024: docs/benchmarks.md, "Prompt reads") wherever sdpa would run plain causal
+attention, sdpa itself everywhere else. Policy attention (`kv.attention`) runs this in sdpa's place."""
 
 from __future__ import annotations
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from sparsegen.few_rows import float_rows_op
+from sparsegen.kernels import load_float_rows
 
 DIM_MULTIPLE = 16
 """Head sizes the kernel takes: whole vectors of 16 lanes (every model here: 64, 128, 256)."""
+FLOAT_SPAN_MAX = 1024
+"""The longest fp32 span the kernel takes: past it its keys and scores leave the L2 cache and
+torch's flash attention, which walks the keys in blocks, is as fast (docs/benchmarks.md)."""
 
 
 def sdpa_or_span(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """sdpa's attention (same arguments, same result up to the order of sums): the kernel where sdpa
     would attend causally over the queries' own keys (no mask, as many keys as queries, no dropout,
-    softcap or position bias) on bf16 CPU tensors, eagerly and with no gradient; sdpa otherwise."""
+    softcap or position bias) on bf16 CPU tensors (fp32 up to `FLOAT_SPAN_MAX` queries), eagerly and
+    with no gradient; sdpa otherwise."""
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if _takes_span(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
         op = torch.ops.sparsegen.span_attention
@@ -31,9 +35,11 @@ def sdpa_or_span(module, query, key, value, attention_mask, dropout=0.0, scaling
 def _takes_span(module, query, key, value, mask, dropout, is_causal, kwargs) -> bool:
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     plain = mask is None and causal and dropout == 0 and query.shape[2] > 1 and key.shape[2] == query.shape[2]
-    plain = plain and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    if not plain or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        return False  # a decode step's single query leaves here
     tensors = (query, key, value)
-    bf16_cpu = all(t.is_cpu and t.dtype == torch.bfloat16 for t in tensors) and query.shape[-1] % DIM_MULTIPLE == 0
+    dtype = torch.bfloat16 if query.dtype == torch.bfloat16 or query.shape[2] > FLOAT_SPAN_MAX else torch.float32
+    cpu = all(t.is_cpu and t.dtype == dtype for t in tensors) and query.shape[-1] % DIM_MULTIPLE == 0
     wants_gradient = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     eager = not torch.compiler.is_compiling() and not wants_gradient
-    return bool(plain and bf16_cpu and eager) and float_rows_op() is not None
+    return cpu and eager and load_float_rows() is not None
