@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections import deque
 from collections.abc import AsyncIterator
-from functools import partial
 
 from fastapi import Request
 
@@ -21,36 +18,12 @@ from sparsegen.serve.jobs import GenerationRequest, Job
 from sparsegen.serve.schemas import ApiError, Sampling
 
 
-class Mailbox:
-    """Events from the engine's thread to the requests' queues on the event loop, delivered in one
-    wake-up of the loop for all that came meanwhile (a batched step's tokens), not one each: every
-    wake-up is Python run under the GIL the engine's thread waits for between its operations."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.waiting, self.lock, self.scheduled = loop, deque(), threading.Lock(), False
-
-    def post(self, queue: asyncio.Queue, event: Event) -> None:
-        with self.lock:
-            self.waiting.append((queue, event))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self.lock:
-            waiting, self.waiting, self.scheduled = self.waiting, deque(), False
-        for queue, event in waiting:
-            queue.put_nowait(event)
-
-
 class Server:
     """What every route needs: the engine, the name it serves, and the request limits."""
 
     def __init__(self, engine: Engine, model_id: str, max_tokens_limit: int, context_limit: int | None) -> None:
         self.engine, self.model_id = engine, model_id
         self.max_tokens_limit, self.context_limit = max_tokens_limit, context_limit
-        self.mailbox: Mailbox | None = None  # made on the first request, on the loop that serves
 
     def answered(self, request: Request, status: str = "200") -> None:
         self.engine.metrics.requests.labels(request.url.path, status).inc()
@@ -93,11 +66,9 @@ class Server:
     def submit(self, request: GenerationRequest) -> tuple[Job, asyncio.Queue]:
         """Hand `request` to the engine: its job, and the queue its events arrive on. Refusals are API errors."""
         loop = asyncio.get_running_loop()
-        if self.mailbox is None or self.mailbox.loop is not loop:
-            self.mailbox = Mailbox(loop)
         events: asyncio.Queue = asyncio.Queue()
         try:
-            job = self.engine.submit(request, partial(self.mailbox.post, events))
+            job = self.engine.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except SparsegenError as exc:
