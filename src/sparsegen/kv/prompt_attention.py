@@ -1,6 +1,6 @@
 """The attention of a prompt read on a CPU: `sparsegen::span_attention` (the C++ kernel in
 `kernels/span_attention.h`; in bf16 2-4x torch's flash attention from 48 to 4,096 tokens, in fp32
-1.4-1.9x up to 1,024: docs/benchmarks.md, "Prompt reads") wherever sdpa would run plain causal
+1.1-2.3x up to 1,024: docs/benchmarks.md, "Prompt reads") wherever sdpa would run plain causal
 attention, sdpa itself everywhere else. Policy attention (`kv.attention`) runs this in sdpa's place."""
 
 from __future__ import annotations
