@@ -33,6 +33,8 @@ def sdpa_or_span(module, query, key, value, attention_mask, dropout=0.0, scaling
 
 
 def _takes_span(module, query, key, value, mask, dropout, is_causal, kwargs) -> bool:
+    if torch.compiler.is_compiling():
+        return False  # a traced graph keeps sdpa, and no guard on the shapes below
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     plain = mask is None and causal and dropout == 0 and query.shape[2] > 1 and key.shape[2] == query.shape[2]
     if not plain or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
@@ -41,5 +43,4 @@ def _takes_span(module, query, key, value, mask, dropout, is_causal, kwargs) -> 
     dtype = torch.bfloat16 if query.dtype == torch.bfloat16 or query.shape[2] > FLOAT_SPAN_MAX else torch.float32
     cpu = all(t.is_cpu and t.dtype == dtype for t in tensors) and query.shape[-1] % DIM_MULTIPLE == 0
     wants_gradient = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    eager = not torch.compiler.is_compiling() and not wants_gradient
-    return cpu and eager and load_float_rows() is not None
+    return cpu and not wants_gradient and load_float_rows() is not None
