@@ -106,7 +106,7 @@ def test_stream_main_job_writes_table_plot_json_and_nll(monkeypatch, capsys, tin
         "--text",
         tiny_text,
         "--tokens",
-        "300",
+        "500",
         "--chunk",
         "16",
         "--budget",
@@ -122,12 +122,18 @@ def test_stream_main_job_writes_table_plot_json_and_nll(monkeypatch, capsys, tin
         lines = (out_dir / row["nll_file"]).read_text().split()
         assert len(lines) == row["tokens"] and row["chunk"] == 16
         if label != "full":
-            assert row["tokens"] == 299 and row["kl"] is not None
+            assert row["tokens"] == 499 and row["kl"] is not None
+            assert row["ppl_per_million"] == pytest.approx([row["ppl"]])
             assert row["kv_mb"] == pytest.approx(  # the cache holds the model's dtype: bf16 where the CPU has it
                 32 * 3 * 2 * 16 * 2 * (2 if cpu_bf16_flag() else 4) / 2**20
             )  # budget x layers x heads x dim x K,V x bytes
     assert (out_dir / "stream_nll.png").stat().st_size > 10_000
     assert "streaming_h2o" in out and "KL vs full" in out
+    meta = json.loads((out_dir / "meta.json").read_text())  # the text's 400 tokens, read again for the last 100
+    assert meta["distinct_tokens"] < 500 and meta["text_passes"] == round(500 / meta["distinct_tokens"], 3)
+    assert f"{meta['distinct_tokens']} distinct tokens, read" in out
+    streamed = [sample[0] for sample in meta["rss_mb"]]
+    assert streamed == sorted(streamed) and streamed[-1] == 499 and all(s[2] >= s[1] > 0 for s in meta["rss_mb"])
 
 
 def test_chat_on_stdin_keeps_memory_bounded(monkeypatch, capsys, tiny_folder, tmp_path):

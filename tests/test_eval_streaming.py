@@ -6,8 +6,9 @@ import torch
 
 from sparsegen.errors import SparsegenError
 from sparsegen.eval import PolicyRun, recompute_nll, stream_compare, stream_ppl
+from sparsegen.eval.main_job import per_million, stream_ids
 from sparsegen.kv.spec import KVSpec
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, tiny_tokenizer
 
 
 def _dense_nll(model, ids):
@@ -93,9 +94,9 @@ def test_interrupted_run_resumes_with_identical_nll(ids, tmp_path, monkeypatch):
     monkeypatch.setattr(model, "forward", original)
     resumed = stream_compare(model, ids, runs, chunk=5, out_dir=tmp_path / "run", checkpoint_every=20, progress=False)
     for label in ("h2o", "streaming"):
-        assert resumed[label].nll == pytest.approx(clean[label].nll, abs=2e-6)
+        assert list(resumed[label].nll) == pytest.approx(list(clean[label].nll), abs=2e-6)
         on_disk = [float(x) for x in (tmp_path / "run" / f"nll_{label}.txt").read_text().split()]
-        assert on_disk == pytest.approx(clean[label].nll, abs=2e-6)
+        assert on_disk == pytest.approx(list(clean[label].nll), abs=2e-6)
     assert not (tmp_path / "run" / "stream_state.pt").exists()
 
 
@@ -114,3 +115,23 @@ def test_bad_stream_inputs_are_clear_errors(ids):
         stream_compare(model, ids, [PolicyRun("f", "full"), PolicyRun("f", "full")], progress=False)
     with pytest.raises(SparsegenError, match="reference"):
         stream_compare(model, ids, [PolicyRun("f", "full")], reference="x", progress=False)
+
+
+def test_a_stream_longer_than_its_texts_reads_them_in_turn_and_again(tmp_path):
+    """The texts named (commas between) are joined in order and read again from the start as often as
+    the stream's length needs: the same ids as tokenizing the joined texts and repeating them."""
+    tokenizer = tiny_tokenizer()
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("w5 w6 w7\nw8")
+    second.write_text("w9 w10")
+    ids, distinct = stream_ids(tokenizer, f"{first}, {second}", 23)
+    once = tokenizer(first.read_text() + "\n\n" + second.read_text(), add_special_tokens=False)["input_ids"]
+    assert distinct == len(once) < 23
+    assert ids.tolist() == (once * 23)[:23]
+    with pytest.raises(SparsegenError, match="names no text"):
+        stream_ids(tokenizer, " , ", 5)
+
+
+def test_perplexity_per_block_of_a_stream():
+    nll = [0.5, 1.5, 2.0, 1.0, 3.0]
+    assert per_million(nll, tokens=2) == pytest.approx([math.exp(1.0), math.exp(1.5), math.exp(3.0)])

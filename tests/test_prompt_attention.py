@@ -94,9 +94,9 @@ def kernel_calls(action) -> int:
 
 
 def test_sdpa_or_span_takes_the_kernel_only_where_sdpa_attends_plain_causally():
-    """Where it runs, the kernel's output is sdpa's up to rounding; a mask, more keys than
-    queries, fp16, an fp32 span past `FLOAT_SPAN_MAX`, a gradient or a single query keep sdpa's
-    own call."""
+    """Where it runs, the kernel's output is sdpa's up to rounding; more keys than queries without a
+    mask (sdpa's causal is then top-left), a padded, windowed or float mask, fp16, an fp32 span past
+    `FLOAT_SPAN_MAX` keys, a gradient or a single query keep sdpa's own call."""
     query, key, value = (t[None] for t in inputs(4, 2, 32, 20, 20))
     got = []
     assert kernel_calls(
@@ -106,16 +106,20 @@ def test_sdpa_or_span_takes_the_kernel_only_where_sdpa_attends_plain_causally():
     expected = float64_attention(query[0], key[0], value[0], 0.2).transpose(0, 1)[None]
     assert weights is None and out.shape == expected.shape
     assert ((out.double() - expected).abs() <= expected.abs() / 128 + 0.01).all()
-    mask = torch.ones(1, 1, 20, 20, dtype=torch.bool).tril_()
     longer = torch.cat([key, key], dim=2), torch.cat([value, value], dim=2)
+    padded = torch.ones(1, 1, 20, 40, dtype=torch.bool).tril_(20)
+    padded[..., 3] = False
+    windowed = torch.ones(1, 1, 20, 40, dtype=torch.bool).tril_(20).triu_(10)
     fp32 = tuple(t.float() for t in (query, key, value))
-    long_fp32 = tuple(t.repeat(1, 1, 60, 1) for t in fp32)  # 1,200 queries
+    long_fp32 = tuple(t.repeat(1, 1, 60, 1) for t in fp32)  # 1,200 queries and keys
     others = [
-        lambda: prompt_attention.sdpa_or_span(Module(), query, key, value, mask, scaling=0.2),
+        lambda: prompt_attention.sdpa_or_span(Module(), query, *longer, None, scaling=0.2),
+        lambda: prompt_attention.sdpa_or_span(Module(), query, *longer, padded, scaling=0.2),
+        lambda: prompt_attention.sdpa_or_span(Module(), query, *longer, windowed, scaling=0.2),
+        lambda: prompt_attention.sdpa_or_span(Module(), query, *longer, padded.tril(20).float(), scaling=0.2),
         lambda: prompt_attention.sdpa_or_span(Module(), query.half(), key.half(), value.half(), None),
         lambda: prompt_attention.sdpa_or_span(Module(), *long_fp32, None),
         lambda: prompt_attention.sdpa_or_span(Module(), query[:, :, :1], key[:, :, :1], value[:, :, :1], None),
-        lambda: prompt_attention.sdpa_or_span(Module(), query, *longer, None, scaling=0.2),
     ]
     for other in others:
         assert kernel_calls(other) == 0
@@ -125,11 +129,26 @@ def test_sdpa_or_span_takes_the_kernel_only_where_sdpa_attends_plain_causally():
         assert kernel_calls(lambda: prompt_attention.sdpa_or_span(Module(), leaf, key, value, None)) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_chunk_after_held_keys_takes_the_kernel_under_its_causal_mask(dtype):
+    """A chunk's queries as the last of more keys, under transformers' boolean bottom-right causal
+    mask (batch rows broadcast), give causal attention in float64 through the kernel."""
+    query, key, value = (t[None].repeat(2, 1, 1, 1) for t in inputs(4, 2, 32, 24, 70, seed=3, dtype=dtype))
+    mask = torch.ones(2, 1, 24, 70, dtype=torch.bool).tril_(70 - 24)
+    got = []
+    assert kernel_calls(
+        lambda: got.append(prompt_attention.sdpa_or_span(Module(), query, key, value, mask, scaling=0.2)[0])
+    )
+    exact = float64_attention(query[1], key[1], value[1], 0.2).transpose(0, 1)
+    tolerance = 1 / 128 if dtype == torch.bfloat16 else 1e-5
+    assert ((got[0][1].double() - exact).abs() <= exact.abs() * tolerance + tolerance).all()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_a_bf16_model_reads_prompts_through_the_kernel_as_its_own_forward(arch):
-    """A tiny bf16 model's prompt read (alone, and packed with others) runs the kernel in every
-    layer and gives the last logits of its own sdpa forward, outside policy attention, up to bf16
-    rounding."""
+    """A tiny bf16 model's prompt read (alone, packed with others, and in chunks of 8 after the keys
+    its cache holds) runs the kernel in every layer and gives the last logits of its own sdpa
+    forward, outside policy attention, up to bf16 rounding."""
     model = build_tiny(arch).to(torch.bfloat16)
     prompts = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((40, 17, 33))]
     with torch.no_grad():
@@ -138,6 +157,11 @@ def test_a_bf16_model_reads_prompts_through_the_kernel_as_its_own_forward(arch):
     calls = kernel_calls(lambda: alone.extend(read(model, ids, make_cache(model, "full")).float() for ids in prompts))
     assert calls == len(prompts) * model.config.num_hidden_layers
     packed = read_packed(model, prompts, [make_cache(model, "full") for _ in prompts])
+    chunked = []
+    in_chunks = (read(model, ids, make_cache(model, "full"), chunk=8) for ids in prompts)
+    calls = kernel_calls(lambda: chunked.extend(in_chunks))
+    many = sum(len(ids[start : start + 8]) > 1 for ids in prompts for start in range(0, len(ids), 8))
+    assert calls == many * model.config.num_hidden_layers  # a chunk of one token is a decode step's
     scale = own.abs().max()
-    assert (torch.stack(alone) - own).abs().max() <= 0.03 * scale
-    assert (packed - own).abs().max() <= 0.03 * scale
+    for logits in (torch.stack(alone), packed, torch.stack(chunked).float()):
+        assert (logits - own).abs().max() <= 0.03 * scale

@@ -78,7 +78,7 @@ def generate_latency(
     return clock.decode_ms(), peak_rss_mb()
 
 
-def _recompute_worker(model_name: str, text: str, window: int, repeats: int, threads: int, device: str | None = None):
+def recompute_latency(model_name: str, text: str, window: int, repeats: int, threads: int, device: str | None = None):
     """Per-token latency of the sliding window with re-computation: a fresh forward over W tokens."""
     from sparsegen.rss import peak_rss_mb
 
@@ -224,7 +224,7 @@ def bench_kv(
             generate_latency, model_name, text, context, new_tokens, size, threads, device=device
         )
         recompute_ms, recompute_rss = _in_process(
-            _recompute_worker, model_name, text, size, repeats, threads, device=device
+            recompute_latency, model_name, text, size, repeats, threads, device=device
         )
         measured = {"streaming": (stream_ms, stream_rss), "recompute": (recompute_ms, recompute_rss)}
         rows.append(_size_row(size, context, measured, (dense_ms, dense_rss), (weight_mb, kv_mb_per_token), bandwidth))

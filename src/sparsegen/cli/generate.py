@@ -133,7 +133,12 @@ def generate(
 @app.command()
 def stream(
     model: str = ModelOpt,
-    text: str = typer.Option("shakespeare", "--text", help="Embedded text name or a .txt file."),
+    text: str = typer.Option(
+        "shakespeare",
+        "--text",
+        help="Embedded text name or a .txt file; several separated by commas are read in turn, and again "
+        "from the start as often as --tokens needs.",
+    ),
     policies: str = typer.Option(
         ",".join(METHODS["streamable_policies"]),
         "--policies",
@@ -152,6 +157,12 @@ def stream(
     chunk: int = typer.Option(256, "--chunk", help="Tokens fed per step (1 = exact token-by-token)."),
     out_dir: Path = typer.Option(Path("results/stream"), "--out"),
     device: str | None = DeviceOpt,
+    against_recompute: bool = typer.Option(
+        False,
+        "--against-recompute",
+        help="Then time a token of streaming's decode against the sliding window with re-computation, "
+        "both over --budget tokens (StreamingLLM's speed claim).",
+    ),
 ) -> None:
     """The main job: KV policies on one long stream past the model's window (table, plot, JSON)."""
     from sparsegen.eval.main_job import STREAM_COLUMNS, StreamJob, compared_specs, stream_job
@@ -174,8 +185,49 @@ def stream(
 
     rows = json.loads((out_dir / "results.json").read_text())
     out.print(table(list(rows.values()), STREAM_COLUMNS, title=f"{model} · {text} · chunk {chunk}"))
+    _print_long_stream(rows, json.loads((out_dir / "meta.json").read_text()))
+    if against_recompute:
+        _time_against_recompute(model, text, total, device, out_dir)
     out.print(
         f"wrote {out_dir}/results.json, {out_dir}/stream_nll.png and {', '.join(r.nll_file for r in results.values())}"
+    )
+
+
+def _print_long_stream(rows: dict, meta: dict) -> None:
+    """What a stream of millions of tokens adds to the table: the texts' passes, perplexity per
+    million tokens, memory along the way and the time it took."""
+    if meta["text_passes"] > 1:
+        out.print(f"{meta['text']}: {meta['distinct_tokens']} distinct tokens, read {meta['text_passes']} times")
+    for label, row in rows.items():
+        if len(row["ppl_per_million"]) > 1:
+            out.print(f"{label}: ppl per million tokens " + ", ".join(f"{p:.3f}" for p in row["ppl_per_million"]))
+    samples = meta["rss_mb"]
+    if samples:
+        first, last = samples[0], samples[-1]
+        out.print(
+            f"RSS {first[1]:.0f} MB after {first[0]} tokens (peak {first[2]:.0f}), {last[1]:.0f} MB after "
+            f"{last[0]} (peak {last[2]:.0f}); {meta['seconds']:.0f} s"
+        )
+
+
+def _time_against_recompute(model: str, text: str, window: int, device: str | None, out_dir: Path) -> None:
+    """ms per token decoding through a streaming cache of `window` tokens after 4x as many, against
+    a fresh forward over the last `window` tokens per token; each in a process of its own."""
+    import torch
+
+    from sparsegen.bench.kv import generate_latency, recompute_latency
+    from sparsegen.bench.measure import in_process
+    from sparsegen.ioutil import write_json
+
+    first = text.split(",")[0].strip()
+    threads = torch.get_num_threads()
+    streaming, _ = in_process(generate_latency, model, first, 4 * window, 32, window, threads, device=device)
+    recompute, _ = in_process(recompute_latency, model, first, window, 5, threads, device=device)
+    timed = {"window": window, "streaming_ms": streaming, "recompute_ms": recompute, "ratio": recompute / streaming}
+    write_json(out_dir / "against_recompute.json", timed)
+    out.print(
+        f"a token with {window} tokens held: streaming {streaming:.1f} ms, sliding window with re-computation "
+        f"{recompute:.1f} ms ({recompute / streaming:.1f}x)"
     )
 
 

@@ -1,8 +1,13 @@
-"""The main job: compare KV policies on one long stream, past the model's pretrained window."""
+"""The main job: compare KV policies on one long stream, past the model's pretrained window.
+
+A stream may run for millions of tokens (StreamingLLM's 4M): the texts named are read in turn and
+again from the start as often as the length asks (the meta says how often), the process's memory
+is sampled along the way, and perplexity is reported per million tokens."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 import time
 from dataclasses import dataclass
@@ -19,6 +24,11 @@ from sparsegen.kv.quantized import checked_bits
 from sparsegen.kv.spec import KVSpec
 from sparsegen.loading import load
 from sparsegen.report import plot_lines, running_mean
+from sparsegen.rss import current_rss_mb, peak_rss_mb
+
+MILLION = 1_000_000
+RSS_SAMPLES = 40
+"""How many times along a stream the process's resident memory is read."""
 
 STREAM_COLUMNS = [
     ("label", "policy"),
@@ -37,8 +47,10 @@ STREAM_COLUMNS = [
 
 @dataclass(frozen=True)
 class StreamJob:
-    """What the main job compares: `model` reads `text` for `tokens` tokens, `chunk` at a time,
-    under each of `specs` (`compared_specs`), on `device`. A second run of the same job resumes."""
+    """What the main job compares: `model` reads `text` (a text name or file, or several separated
+    by commas, read in turn and again as often as `tokens` needs) for `tokens` tokens, `chunk` at a
+    time, under each of `specs` (`compared_specs`), on `device`. A second run of the same job
+    resumes."""
 
     model: str
     text: str
@@ -89,48 +101,75 @@ def _runs(specs: tuple[KVSpec, ...], model_window: int) -> list[PolicyRun]:
     return runs
 
 
+def stream_ids(tokenizer, text: str, tokens: int) -> tuple[torch.Tensor, int]:
+    """`tokens` ids of the texts named in `text` (commas between names), read in turn and again from
+    the start as often as needed, and how many of them are distinct (the texts' own length)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise SparsegenError("--text names no text: give an embedded name or a .txt file (several: commas)")
+    ids = tokenize_long(tokenizer, "\n\n".join(load_text(name) for name in names), max_tokens=tokens)
+    if ids.numel() < 2:
+        raise SparsegenError(f"{text!r} holds fewer than 2 tokens: give a longer text")
+    distinct = ids.numel()
+    return ids.repeat(-(-tokens // distinct))[:tokens], distinct
+
+
+def per_million(nll, tokens: int = MILLION) -> list[float]:
+    """Perplexity of each whole or last partial block of `tokens` scored tokens."""
+    return [math.exp(sum(nll[i : i + tokens]) / len(nll[i : i + tokens])) for i in range(0, len(nll), tokens)]
+
+
 def stream_job(job: StreamJob, out: Path, progress: bool = True) -> dict[str, StreamResult]:
     """Run the comparison, write results.json, NLL files and the plot into `out`; return results."""
     model_name, text, tokens, chunk = job.model, job.text, job.tokens, job.chunk
     model, tokenizer = load(model_name, device=job.device)
     model_window = model.config.get_text_config().max_position_embeddings
     runs = _runs(job.specs, model_window)
-    ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens)
-    if ids.numel() < tokens:
-        raise SparsegenError(f"the text has only {ids.numel()} tokens, fewer than --tokens {tokens}")
+    ids, distinct = stream_ids(tokenizer, text, tokens)
     torch.manual_seed(0)
-    reference = "full"
     started = time.time()
-    results = stream_compare(model, ids, runs, chunk=chunk, reference=reference, out_dir=out, progress=progress)
+    every = max(chunk, tokens // RSS_SAMPLES)
+    rss: list[tuple[int, float, float]] = []  # tokens streamed, resident MB now, at its peak so far
+
+    def sample_rss(done: int) -> None:
+        if done // every != (done - chunk) // every or done >= ids.numel() - 1:
+            rss.append((done, round(current_rss_mb(), 1), round(peak_rss_mb(), 1)))
+
+    results = stream_compare(
+        model, ids, runs, chunk=chunk, reference="full", out_dir=out, progress=progress,
+        checkpoint_every=max(4096, tokens // 256), watch=sample_rss,
+    )  # fmt: skip
     rows = {}
     for label, result in results.items():
         row = result.summary()
         # Scored token i is predicted at position i: the first `model_window` are made within the window.
         row["ppl_in_window"] = result.ppl_between(0, model_window)
         row["ppl_past_window"] = result.ppl_between(model_window) if result.tokens > model_window else None
+        row["ppl_per_million"] = per_million(result.nll)
         rows[label] = row
     write_json(out / "results.json", rows)
-    write_json(
-        out / "meta.json",
-        {
-            "model": model_name,
-            "text": text,
-            "tokens": int(ids.numel()),
-            "chunk": chunk,
-            "model_window": model_window,
-            "seconds": round(time.time() - started, 1),
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "threads": torch.get_num_threads(),
-        },
-    )
-    smooth = 256
+    meta = {
+        "model": model_name,
+        "text": text,
+        "tokens": int(ids.numel()),
+        "distinct_tokens": distinct,
+        "text_passes": round(ids.numel() / distinct, 3),
+        "chunk": chunk,
+        "model_window": model_window,
+        "seconds": round(time.time() - started, 1),
+        "rss_mb": rss,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    write_json(out / "meta.json", meta)
+    smooth = max(256, tokens // 4000)
     plot_lines(
         {label: running_mean(r.nll, smooth) for label, r in results.items()},
         out / "stream_nll.png",
         xlabel="token position in the stream",
         ylabel=f"NLL (log-perplexity), mean of {smooth} tokens",
-        title=f"{model_name} on {Path(text).name}, chunk {chunk}",
+        title=f"{model_name} on {text}, chunk {chunk}",
         vline=model_window,
         vline_label="pretrained window",
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,7 +67,7 @@ class StreamResult:
     nll_file: str | None = None
     kv: dict | None = None
     """The run's KV spec as `KVSpec.to_dict` records it (None: the recompute baseline)."""
-    nll: list[float] = field(default_factory=list, repr=False)
+    nll: Sequence[float] = field(default_factory=list, repr=False)
 
     def ppl_between(self, start: int, stop: int | None = None) -> float:
         """Perplexity over scored tokens [start, stop) of the stream."""
@@ -89,7 +91,7 @@ class _Runner:
         self.cache: PolicyCache | None = None
         if not self.recompute:
             self.cache = make_cache(model, run.kv)
-        self.nll: list[float] = []
+        self.nll = array("d")  # 8 bytes a token, not a float object's 32: a stream of millions stays flat
         self.seconds = 0.0
         self.kv_bytes = 0
         self.kl_sum = 0.0
@@ -121,7 +123,7 @@ class _Runner:
             self.cache.load_state_dict(state["cache"])
         for key in ("seconds", "kv_bytes", "kl_sum", "top1", "compared"):
             setattr(self, key, state[key])
-        self.nll = nll
+        self.nll = array("d", nll)
 
     def step(self, model, ids: torch.Tensor, done: int, take: int) -> torch.Tensor:
         """Feed the next `take` tokens from `done`; record their NLLs; return their log-probs."""
@@ -293,12 +295,14 @@ def stream_compare(
     window: int = 1024,
     checkpoint_every: int = 4096,
     progress: bool = True,
+    watch: Callable[[int], None] | None = None,
 ) -> dict[str, StreamResult]:
     """Stream `input_ids` (1-D) through every run in lockstep; return results by label.
 
     `reference` names the run (normally the full cache) that fidelity is measured against, over
     the tokens it covers. With `out_dir`, NLLs go to `nll_<label>.txt` as they are computed and a
-    checkpoint lets an interrupted call resume with the same arguments.
+    checkpoint lets an interrupted call resume with the same arguments. `watch(done)` is called
+    after every chunk with the tokens streamed so far (a caller's probe of memory, say).
     """
     labels = _checked_labels(input_ids, runs, chunk, reference)
     ids = input_ids.to(next(model.parameters()).device)
@@ -320,6 +324,8 @@ def stream_compare(
                 _step_all(model, ids, runners, done, n, reference, checkpoint)
                 done += n
                 bar.update(n)
+                if watch is not None:
+                    watch(done)
                 if checkpoint is not None and next_save <= done < total:
                     checkpoint.save(done)
                     next_save = done + checkpoint_every
