@@ -5,7 +5,7 @@ import torch
 
 from sparsegen.decode import Decoder, generate
 from sparsegen.kv.kernels import kernels_available, rolled_scores
-from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.rope import TABLE_REACH, KeyRotation
 from sparsegen.kv.spec import KVSpec
 from tests.conftest import build_tiny
 
@@ -22,9 +22,26 @@ def test_rolled_products_equal_rotating_the_keys_then_multiplying(rotary_dim):
     delta[:, :, ::4] = 0  # unmoved slots are read as they are
     expected = query @ rotation.rotate(keys, delta).transpose(-1, -2)
     torch.testing.assert_close(rolled_scores(query, keys, delta, rotation), expected, rtol=1e-5, atol=1e-5)
-    far = torch.full_like(delta, 3000)  # beyond the table so far: it grows
-    expected = query @ rotation.rotate(keys, far).transpose(-1, -2)
-    torch.testing.assert_close(rolled_scores(query, keys, far, rotation), expected, rtol=1e-5, atol=1e-5)
+    for far in (3000, 50_000):  # beyond the table so far (it grows), beyond what it ever holds
+        moved = torch.full_like(delta, far)
+        expected = query @ rotation.rotate(keys, moved).transpose(-1, -2)
+        torch.testing.assert_close(rolled_scores(query, keys, moved, rotation), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stream_long_delta_is_computed_and_the_table_stays_bounded():
+    """A stream's sinks move by every token seen: deltas of millions get their angles in float64's
+    agreement (as float32 angles allow), and the table of short deltas never reaches that far."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).double() / 64))
+    rotation = KeyRotation(inv_freq)
+    delta = torch.tensor([[3, -700, 2_000_000, 40_000]])
+    cos, sin = rotation.cos_sin(delta)
+    angle = delta.double().unsqueeze(-1) * inv_freq
+    expected = torch.cat((angle, angle), -1)
+    # float32 holds 2,000,000 * inv_freq to about 0.12 rad in the fastest band, ~1e-4 in the slowest
+    tolerance = (delta.abs().double().unsqueeze(-1) * 2**-23 + 1e-6) * torch.cat((inv_freq, inv_freq)) * 2
+    assert ((cos.double() - expected.cos()).abs() <= tolerance + 1e-6).all()
+    assert ((sin.double() - expected.sin()).abs() <= tolerance + 1e-6).all()
+    assert rotation.table(10_000_000)[1] == TABLE_REACH
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

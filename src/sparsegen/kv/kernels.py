@@ -21,7 +21,7 @@ import torch
 
 from sparsegen.kernels import load_kv_int
 from sparsegen.kv.quantized import KVCodec
-from sparsegen.kv.rope import KeyRotation
+from sparsegen.kv.rope import TABLE_REACH, KeyRotation
 
 KERNEL_BITS = (8, 4)
 """The widths the C++ products read; rows in other widths are decoded in torch."""
@@ -64,8 +64,12 @@ def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> t
 
 def rolled_scores(query: torch.Tensor, keys: torch.Tensor, delta: torch.Tensor, rotation: KeyRotation) -> torch.Tensor:
     """query [b, h, g, d] . every fp32 key [b, h, n, d] rotated by its delta [b, h, n] (rolling
-    positions, `kv.rope`), without writing the rotated keys: fp32 [b, h, g, n]."""
-    table, reach = rotation.table(delta)
+    positions, `kv.rope`), without writing the rotated keys: fp32 [b, h, g, n]. A delta past the
+    table's `TABLE_REACH` (a heavy hitter kept from far back in a long stream) rotates the keys."""
+    reach = int(delta.abs().max()) if delta.numel() else 0
+    if reach > TABLE_REACH:
+        return query.float() @ rotation.rotate(keys, delta).float().transpose(-1, -2)
+    table, reach = rotation.table(reach)
     return torch.ops.sparsegen.rolled_scores(query.float().contiguous(), keys, delta.contiguous(), table, reach)
 
 

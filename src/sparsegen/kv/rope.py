@@ -20,6 +20,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+TABLE_REACH = 32768
+"""The longest delta a CPU looks up in `KeyRotation`'s table (34 MB at rotary dim 64, 67 at 128):
+past it, a delta's angles are computed, so the table stops growing however long a stream runs."""
+
+
 class KeyRotation:
     """Rotates keys by position deltas with a model's RoPE frequencies (half-split layout)."""
 
@@ -30,22 +35,26 @@ class KeyRotation:
         self._table: torch.Tensor | None = None  # cos then sin [2 * reach + 1, 2 * rotary_dim] of deltas -reach..reach
 
     def cos_sin(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every delta's angles [..., rotary_dim]. On a CPU, eagerly, they are
-        looked up in a table of every delta so far (a step's deltas repeat: computing them was most
-        of a rolling step's cost); a compiled graph and a GPU compute them (fused, or cheap there;
-        the table's size check would stall a GPU)."""
+        """cos and sin of every delta's angles [..., rotary_dim]. On a CPU, eagerly, deltas within
+        `TABLE_REACH` are looked up in a table of every delta so far (a step's deltas repeat:
+        computing them was most of a rolling step's cost); a compiled graph and a GPU compute them
+        (fused, or cheap there; the table's size check would stall a GPU), and so does a CPU for a
+        longer delta (a stream's sinks, moved on by every token seen: a table reaching that far
+        would grow with the stream: 4 GB by two million tokens)."""
         if torch.compiler.is_compiling() or not delta.is_cpu:
             return self._angles(delta)
-        table, reach = self.table(delta)
+        reach = int(delta.abs().max()) if delta.numel() else 0
+        if reach > TABLE_REACH:
+            return self._angles(delta)
+        table, reach = self.table(reach)
         rows = table.index_select(0, (delta + reach).flatten()).view(*delta.shape, -1)
         return rows[..., : self.rotary_dim], rows[..., self.rotary_dim :]
 
-    def table(self, delta: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The cos then sin [2 * reach + 1, 2 * rotary_dim] of every delta -reach..reach, grown to
-        cover `delta` (a CPU tensor), and its reach."""
-        reach = int(delta.abs().max()) if delta.numel() else 0
+    def table(self, reach: int) -> tuple[torch.Tensor, int]:
+        """The cos then sin [2 * reach' + 1, 2 * rotary_dim] of every delta -reach'..reach', grown
+        to cover `reach` (at most `TABLE_REACH`), and its reach'."""
         if self._table is None or reach > self._reach:
-            self._reach = max(2 * reach, 1024)
+            self._reach = min(max(2 * reach, 1024), TABLE_REACH)
             self._table = torch.cat(self._angles(torch.arange(-self._reach, self._reach + 1)), -1)
         return self._table, self._reach
 
