@@ -217,9 +217,10 @@ def _time_against_recompute(model: str, text: str, window: int, device: str | No
 
     from sparsegen.bench.kv import generate_latency, recompute_latency
     from sparsegen.bench.measure import in_process
+    from sparsegen.eval.main_job import text_names
     from sparsegen.ioutil import write_json
 
-    first = text.split(",")[0].strip()
+    first = text_names(text)[0]
     threads = torch.get_num_threads()
     streaming, _ = in_process(generate_latency, model, first, 4 * window, 32, window, threads, device=device)
     recompute, _ = in_process(recompute_latency, model, first, window, 5, threads, device=device)

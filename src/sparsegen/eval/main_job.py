@@ -101,13 +101,19 @@ def _runs(specs: tuple[KVSpec, ...], model_window: int) -> list[PolicyRun]:
     return runs
 
 
-def stream_ids(tokenizer, text: str, tokens: int) -> tuple[torch.Tensor, int]:
-    """`tokens` ids of the texts named in `text` (commas between names), read in turn and again from
-    the start as often as needed, and how many of them are distinct (the texts' own length)."""
+def text_names(text: str) -> list[str]:
+    """The texts `text` names, commas between them; a one-line error where it names none."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise SparsegenError("--text names no text: give an embedded name or a .txt file (several: commas)")
-    ids = tokenize_long(tokenizer, "\n\n".join(load_text(name) for name in names), max_tokens=tokens)
+    return names
+
+
+def stream_ids(tokenizer, text: str, tokens: int) -> tuple[torch.Tensor, int]:
+    """`tokens` ids of the texts named in `text` (`text_names`), read in turn and again from the
+    start as often as needed, and how many of them are distinct (the texts' own length)."""
+    joined = "\n\n".join(load_text(name) for name in text_names(text))
+    ids = tokenize_long(tokenizer, joined, max_tokens=tokens)
     if ids.numel() < 2:
         raise SparsegenError(f"{text!r} holds fewer than 2 tokens: give a longer text")
     distinct = ids.numel()
