@@ -88,7 +88,7 @@ def test_the_quantized_read_takes_the_newest_tokens_from_the_ring_and_the_rest_f
     keys, values, at = tokens(list(range(seen)), b=1)
     store = SlotStore.empty(keys, values, codec)
     store.grow(seen)
-    store.write(0, store.stored(keys), store.stored(values), at)
+    store.write(0, store.stored("keys", keys), store.stored("values", values), at)
     store.remember(keys, values, at)
     read = store.read_one("keys", seen, count=seen - 2)
     for p in range(seen - 2):

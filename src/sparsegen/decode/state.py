@@ -150,7 +150,7 @@ class LayerState:
         """Put the new token's key/value [b, h, 1, d] at `position` [b] into each row's free slot."""
         b, h = key.shape[:2]
         self.store.remember(key, value, position.view(b, 1, 1).expand(b, h, 1))
-        key, value = self.store.stored(key), self.store.stored(value)
+        key, value = self.store.stored("keys", key), self.store.stored("values", value)
         if self.head_of is not None:  # one slot per head, token-major
             key, value = ragged.spread(key), ragged.spread(value)
         self.store.put(self.slot, key, value, position.view(b, 1, 1).expand(self.slot.shape))

@@ -10,33 +10,12 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import check_supported
 from sparsegen.kv.cache import PolicyLayer
+from sparsegen.kv.key_centre import key_centres
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.quantized import codec_for
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.spec import KVSpec
-
-KEY_BIAS_LIMIT = 32.0
-"""The largest key-projection bias a KV held in 4 bits or fewer is allowed: per-token groups round
-a key whose one channel carries such a constant with a step too coarse for the rest of it. Qwen2.5's
-first layer carries 354 (1.5B): its int4 KV multiplied perplexity by 41 on Milton, int3 by 170, where
-int8 stayed within 0.6% (docs/benchmarks.md, "KV bits on the 1.5B model"). SmolLM2 has no bias."""
-
-
-def check_key_bias(model: torch.nn.Module, kv_bits: int | None) -> None:
-    """Refuse 4 bits or fewer for a model whose keys carry a bias above `KEY_BIAS_LIMIT`."""
-    if kv_bits is None or kv_bits > 4:
-        return
-    largest, where = 0.0, ""
-    for name, module in model.named_modules():
-        bias = getattr(module, "bias", None) if name.endswith("k_proj") else None
-        if isinstance(bias, torch.Tensor) and float(bias.detach().abs().max()) > largest:
-            largest, where = float(bias.detach().abs().max()), name
-    if largest > KEY_BIAS_LIMIT:
-        raise SparsegenError(
-            f"kv_bits={kv_bits}: {where}'s bias reaches {largest:.0f}, and keys rounded per token in "
-            f"{kv_bits} bits lose what lies beside it (perplexity x41 on Qwen2.5 at 4 bits); use kv_bits=8"
-        )
 
 
 def _layer_types(config) -> list[str]:
@@ -69,7 +48,6 @@ def make_cache(
     kv = KVSpec.coerce(kv)
     policy, position = kv.policy, kv.placement
     check_supported(model)
-    check_key_bias(model, kv.kv_bits)
     config = model.config.get_text_config(decoder=True)
     inv_freq = find_inv_freq(model)
     if inv_freq is None:
@@ -83,13 +61,17 @@ def make_cache(
     rope = KeyRotation(inv_freq)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     codec = codec_for(kv.kv_bits, head_dim, kv.kv_rotated)
+    centres = key_centres(model, inv_freq) if codec is not None else []
     rotation = rope if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
     types = _layer_types(model.config)
     for index, layer_type in enumerate(types):
         if layer_type == "full_attention":
+            centred = codec if codec is None else dataclasses.replace(codec, key_centre=centres[index])
             layers.append(
-                layer_class(policy, rotation, layer_idx=index, pinned=pinned, layers=len(types), rope=rope, codec=codec)
+                layer_class(
+                    policy, rotation, layer_idx=index, pinned=pinned, layers=len(types), rope=rope, codec=centred
+                )
             )
         elif layer_type == "sliding_attention":
             from transformers.cache_utils import DynamicSlidingWindowLayer

@@ -46,10 +46,17 @@ def _slots(positions: torch.Tensor, seen: torch.Tensor | int) -> tuple[torch.Ten
 def held_scores(query, keys, codec: KVCodec, positions, seen, recent_keys) -> torch.Tensor:
     """query [b, h, g, d] . every slot's key as read (`kv.quantized.with_residual`): a slot whose
     position is among its row's newest (of `seen` tokens) from the ring `recent_keys` [b, h, R, d],
-    the others decoded; 0 at free slots. fp32 [b, h, g, n]."""
+    the others decoded; 0 at free slots. fp32 [b, h, g, n]. Rows held less a key centre c [h, d]
+    are multiplied as they are, with the ring less c, and q.c added to every live slot."""
     positions, seen = _slots(positions, seen)
-    query, ring = (codec.rotate(t).contiguous() for t in (query, recent_keys))  # q.k = (qM).(kM)
-    return torch.ops.sparsegen.kv_scores(query, keys, ring, positions, seen, codec.bits, codec.group)
+    centre = codec.key_centre
+    ring = recent_keys if centre is None else recent_keys.float() - centre.unsqueeze(-2)
+    rotated, ring = (codec.rotate(t).contiguous() for t in (query, ring))  # q.k = (qM).(kM)
+    scores = torch.ops.sparsegen.kv_scores(rotated, keys, ring, positions, seen, codec.bits, codec.group)
+    if centre is None:
+        return scores
+    shift = query.float() @ centre.unsqueeze(-1)  # [b, h, g, 1]: q.c, the same for every key of a head
+    return scores + torch.where(positions.unsqueeze(2) >= 0, shift, 0.0)
 
 
 def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> torch.Tensor:

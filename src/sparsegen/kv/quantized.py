@@ -20,12 +20,16 @@ before the cache sees a key, and what attention and the policies' eviction score
 decoded, un-rotated key or value, so it composes with every policy and position mode. The byte
 products (`kv.kernels`) use q.k = (qM).(kM) and sum(p v M) M^T = sum(p v) instead of un-rotating
 every row.
+
+A codec may also carry a layer's `key_centre` (`kv.key_centre`): a constant each key of a head
+holds (Qwen2.5's key bias, in the bands RoPE barely turns), taken off before rounding and put back
+after decoding, so that the group's step is set by what varies from token to token.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,11 +112,14 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 class KVCodec:
     """How a head's key or value vector of `dim` numbers is stored: `bits` (8, 4, 3 or 2) a number,
     asymmetric rounding in groups of `group` channels (the largest divisor of `dim` up to 32),
-    after the `rotation` where `rotated`. Codecs that differ in any field hold different bytes."""
+    after the `rotation` where `rotated`. Codecs that differ in any of those fields hold different
+    bytes. `key_centre` [h, d] is one layer's (`kv.key_centre`; None: keys are rounded as they are):
+    the model's, not part of the format's identity."""
 
     bits: int
     group: int = 32
     rotated: bool = True
+    key_centre: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         checked_bits(self.bits)
@@ -144,9 +151,15 @@ class KVCodec:
         """`rotate`'s inverse: y @ M^T in fp32."""
         return y.float() @ rotation(y.shape[-1], y.device).T if self.rotated else y.float()
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., dim] floats -> [..., width(dim)] bytes."""
+    def centre_of(self, name: str) -> torch.Tensor | None:
+        """The centre of "keys" or "values" as held (values have none)."""
+        return self.key_centre if name == "keys" else None
+
+    def encode(self, x: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., h, n, dim] floats -> [..., h, n, width(dim)] bytes, less `centre` [h, dim] first."""
         *lead, dim = x.shape
+        if centre is not None:
+            x = x.float() - centre.unsqueeze(-2)
         groups = self.rotate(x).reshape(*lead, dim // self.group, self.group)
         low, scale = self._ranges(groups)
         levels = (1 << self.bits) - 1
@@ -175,8 +188,18 @@ class KVCodec:
         best = near_best.int().argmax(-1, keepdim=True)  # the widest range within the tolerance
         return lows.gather(-1, best), steps.gather(-1, best)
 
-    def decode(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[..., width] bytes -> [..., dim] numbers in `dtype`, un-rotated."""
+    def decode(
+        self,
+        rows: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+        centre: torch.Tensor | None = None,
+        head_of: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[..., h, n, width] bytes -> [..., h, n, dim] numbers in `dtype`, un-rotated, `centre`
+        [h, dim] put back (each slot's head's, by `head_of` [b, 1, n], where heads are held flat)."""
+        if centre is not None:
+            shift = centre.unsqueeze(-2) if head_of is None else centre[head_of]
+            return (self.decode(rows) + shift).to(dtype)
         *lead, width = rows.shape
         dim = self.dim_of(width)
         code_bytes = dim * self.bits // 8
@@ -193,11 +216,12 @@ class KVCodec:
         recent: torch.Tensor,
         head_of: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
+        centre: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Held byte `rows` [b, h, n, width] at `positions` as numbers: decoded, the newest tokens
-        of each row (of `seen`) read from the `recent` ring at full precision instead
-        (`with_residual`). The one quantized read of the drop-in cache and the fast path."""
-        return with_residual(self.decode(rows, dtype), positions, seen, recent, head_of)
+        """Held byte `rows` [b, h, n, width] at `positions` as numbers: decoded with their `centre`,
+        the newest tokens of each row (of `seen`) read from the `recent` ring at full precision
+        instead (`with_residual`). The one quantized read of the drop-in cache and the fast path."""
+        return with_residual(self.decode(rows, dtype, centre, head_of), positions, seen, recent, head_of)
 
 
 def remember(recent: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> None:

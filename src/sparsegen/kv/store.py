@@ -136,9 +136,12 @@ class SlotStore:
         """The ring of the newest tokens by name (none without a codec)."""
         return {} if self.codec is None else {name: getattr(self, name) for name in RING}
 
-    def stored(self, states: torch.Tensor) -> torch.Tensor:
-        """Keys or values [b, h, n, d] as held: the codec's byte rows, or the numbers in the store's dtype."""
-        return states.to(self.keys.dtype) if self.codec is None else self.codec.encode(states)
+    def stored(self, name: str, states: torch.Tensor) -> torch.Tensor:
+        """The "keys" or "values" [b, h, n, d] as held: the codec's byte rows (keys less their centre), or
+        the numbers in the store's dtype."""
+        if self.codec is None:
+            return states.to(self.keys.dtype)
+        return self.codec.encode(states, self.codec.centre_of(name))
 
     def remember(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """With a codec, put new tokens' full-precision keys and values at `positions` [b, h, n] in the ring."""
@@ -208,7 +211,8 @@ class SlotStore:
             return held
         head_of = None if self.head_of is None else self.head_of[:, :, :count]
         recent = self.recent_keys if name == "keys" else self.recent_values
-        return self.codec.read(held, self.positions[:, :, :count], seen, recent, head_of, dtype)
+        centre = self.codec.centre_of(name)
+        return self.codec.read(held, self.positions[:, :, :count], seen, recent, head_of, dtype, centre)
 
     def read(self, seen: int | torch.Tensor, count: int | None = None, dtype=torch.float32):
         """Keys and values as numbers (`read_one`)."""
