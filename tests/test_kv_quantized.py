@@ -81,6 +81,16 @@ def test_bad_bit_widths_get_one_line_errors():
         assert "\n" not in str(error.value)
 
 
+def _give_keys_a_slow_bias(model, first_head_extra: float = 0.0) -> None:
+    """Every layer's key bias 1,000 and -600 in the slowest RoPE pair of every head, as in Qwen2.5's
+    first layer (and `first_head_extra` in a fast channel of head 0, so that heads' centres differ)."""
+    d = model.config.hidden_size // model.config.num_attention_heads
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = layer.self_attn.k_proj.bias.view(-1, d)
+            bias[:, d // 2 - 1], bias[:, -1], bias[0, 3] = 1000.0, -600.0, bias[0, 3] + first_head_extra
+
+
 def _biased_logits(model, bits: int | None, centred: bool = True) -> torch.Tensor:
     """Logits of a fixed 96-token prompt read 8 tokens a forward into a full cache in `bits`, its
     layers' key centres kept or dropped."""
@@ -99,14 +109,11 @@ def test_a_large_key_bias_is_taken_off_before_rounding_and_put_back():
     """Qwen2.5's first layer's key bias (354 on the 1.5B model) lies in its slowest RoPE bands:
     rounded with it, per-token int4 keys lost the rest (perplexity x41). Less the layer's key centre
     (`kv.key_centre`), the logits stay near the dense forward's, about as near as without the bias."""
-    model = build_tiny("qwen2")
-    ids, d = _prompt(96), model.config.hidden_size // model.config.num_attention_heads
+    model, ids = build_tiny("qwen2"), _prompt(96)
     with torch.no_grad():
         unbiased = {bits: _biased_logits(model, bits) for bits in (4, 3)}
         unbiased_dense = model(ids).logits[0]
-        for layer in model.model.layers:  # the slowest pair of every head, as in Qwen2.5's first layer
-            bias = layer.self_attn.k_proj.bias.view(-1, d)
-            bias[:, d // 2 - 1], bias[:, -1] = 1000.0, -600.0
+        _give_keys_a_slow_bias(model)
         dense = model(ids).logits[0]
     assert float((dense - unbiased_dense).abs().max()) > 0.01  # the bias changes what attention reads
     for bits in (4, 3):
@@ -147,11 +154,7 @@ def test_centred_keys_read_the_same_on_both_engines(policy, settings):
     path's reads (byte products plus q.c, decoded rows plus c, flat heads' own centres) and the
     drop-in cache's give the same logits at every step."""
     model = build_tiny("qwen2")
-    d = model.config.hidden_size // model.config.num_attention_heads
-    with torch.no_grad():
-        for layer in model.model.layers:
-            bias = layer.self_attn.k_proj.bias.view(-1, d)
-            bias[:, d // 2 - 1], bias[:, -1], bias[0, 3] = 1000.0, -600.0, 40.0
+    _give_keys_a_slow_bias(model, first_head_extra=40.0)
     ids = _prompt(60)[0].tolist()
     spec = KVSpec.of(policy, kv_bits=4, **settings)
     decoder, cache = Decoder(model, spec, compile="never"), make_cache(model, spec)
