@@ -10,7 +10,7 @@ import time
 import torch
 
 from sparsegen.kv.kernels import held_mix, held_scores, kernels_available
-from sparsegen.kv.quantized import RESIDUAL, KVCodec
+from sparsegen.kv.quantized import RING_SLOTS, KVCodec
 
 TOKENS, HEADS, QUERIES, DIM, LAYERS = 8192, 3, 3, 64, 30
 
@@ -33,7 +33,7 @@ if __name__ == "__main__":
     key_rows, value_rows = [codec.encode(k) for k in keys], [codec.encode(v) for v in values]
     query, probs = torch.randn(1, HEADS, QUERIES, DIM), torch.rand(1, HEADS, QUERIES, TOKENS)
     positions, seen = torch.arange(TOKENS).expand(1, HEADS, TOKENS).contiguous(), torch.tensor([TOKENS])
-    ring = torch.randn(1, HEADS, RESIDUAL, DIM)
+    ring = torch.randn(1, HEADS, RING_SLOTS, DIM)
     with torch.inference_mode():
         fp32 = per_step_ms(
             lambda: [(query @ k.transpose(-1, -2), probs @ v) for k, v in zip(keys, values, strict=True)]

@@ -207,8 +207,8 @@ def test_bench_kv_bits_on_a_tiny_model(monkeypatch, capsys, tiny_folder, tiny_te
 
 @pytest.mark.slow
 def test_bench_kv_bits_quality_reads_each_width_rotated_and_not(monkeypatch, capsys, tiny_folder, tiny_text, tmp_path):
-    args = ("--quality", "--tokens", "60", "--chunk", "8", "--policies", "streaming", "--kv-bits", "4,2")
-    args += ("--cache", "16")
+    args = ("--quality", "--tokens", "120", "--chunk", "8", "--policies", "streaming", "--kv-bits", "4,2")
+    args += ("--cache", "80")  # holding tokens past the ring's first 16 and newest 32
     code, out, _ = run_cli(
         monkeypatch, capsys, "bench", "kv-bits", "--model", tiny_folder, "--text", tiny_text, *args, "--out", tmp_path
     )
@@ -223,7 +223,9 @@ def test_bench_kv_bits_quality_reads_each_width_rotated_and_not(monkeypatch, cap
     ]
     assert rows[0]["vs_fp32_kv"] == "+0.00%" and all(r["ppl"] > 1 for r in rows)
     assert rows[1]["ppl"] != rows[2]["ppl"] and rows[3]["kv_mb"] < rows[1]["kv_mb"]  # (the fp32 ring dominates here)
-    assert "vs fp32 KV" in out
+    kl = [row["kl_millinats"] for row in rows]
+    assert kl[0] == 0 and kl[3] > kl[1] > 0  # 2 bits lose more than 4
+    assert "vs fp32 KV" in out and "KL to fp32 KV" in out
 
 
 def test_bench_gather_measures_each_kept_share_and_refuses_bad_shares(monkeypatch, capsys, tiny_folder, tmp_path):

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from sparsegen.kv.quantized import RESIDUAL, KVCodec
+from sparsegen.kv.quantized import RESIDUAL, SINKS, KVCodec
 from sparsegen.kv.store import DEAD, EMPTY, SlotStore
 
 B, H, D = 3, 2, 4
@@ -82,17 +82,25 @@ def test_writes_compaction_growth_and_rows_match_plain_python():
     assert as_lists(store) == ref + [[[(EMPTY, (0.0,) * D, (0.0,) * D, 0.0)] * 5] * H]
 
 
-def test_the_quantized_read_takes_the_newest_tokens_from_the_ring_and_the_rest_from_bytes():
+def test_the_quantized_read_takes_the_first_and_newest_tokens_from_the_ring_and_the_rest_from_bytes():
+    """A prompt chunk longer than the ring: its first SINKS and newest RESIDUAL tokens read exactly,
+    the others decoded from bytes rounded less the row's centre (the mean key of positions 1..SINKS-1,
+    plain Python) and decoded plus it."""
     codec = KVCodec.for_dim(4, D, rotated=False)
-    seen = RESIDUAL + 8
+    seen = SINKS + RESIDUAL + 8
     keys, values, at = tokens(list(range(seen)), b=1)
+    keys = keys + 5.0 + torch.randn(keys.shape, generator=torch.Generator().manual_seed(0))  # constant + noise
     store = SlotStore.empty(keys, values, codec)
     store.grow(seen)
-    store.write(0, store.stored("keys", keys), store.stored("values", values), at)
     store.remember(keys, values, at)
+    store.write(0, store.stored("keys", keys), store.stored("values", values), at)
+    centre = [[sum(keys[0, h, p, c].item() for p in range(1, SINKS)) / (SINKS - 1) for c in range(D)] for h in range(H)]
+    torch.testing.assert_close(store.centre("keys"), torch.tensor([centre]), rtol=1e-6, atol=1e-6)
     read = store.read_one("keys", seen, count=seen - 2)
+    shift = torch.tensor(centre)
     for p in range(seen - 2):
-        want = keys[:, :, p] if p >= seen - RESIDUAL else codec.decode(store.keys[:, :, p : p + 1])[:, :, 0]
-        torch.testing.assert_close(read[:, :, p], want, rtol=0, atol=0)
-    old = [p for p in range(seen - RESIDUAL)]
+        exact = p < SINKS or p >= seen - RESIDUAL
+        rounded = codec.decode(codec.encode(keys[:, :, p : p + 1] - shift[None, :, None]))[:, :, 0] + shift
+        torch.testing.assert_close(read[:, :, p], keys[:, :, p] if exact else rounded, rtol=0, atol=1e-5)
+    old = list(range(SINKS, seen - RESIDUAL))
     assert (read[:, :, old] - keys[:, :, old]).abs().max() > 0  # rounded: read from the bytes

@@ -87,10 +87,15 @@ def test_job_scores_every_cell_resumes_and_equals_separate_prefills(tmp_path, mo
 
 
 def test_kv_bits_hold_every_cell_in_that_many_bits_and_older_results_files_resume(tmp_path, monkeypatch):
-    """A 4-bit run equals reading each cell alone in 4 bits; a results file written before
-    `kv_bits` existed resumes as the full-precision run it was."""
+    """A 4-bit run equals reading each cell alone in 4 bits, over 32 answer tokens (a decode alone
+    and one batched with other cells read the rounded keys through different float paths, decoded
+    rows plus the row's centre or the byte kernels' products plus q.c, and past that this tiny
+    random model's near-ties can tip either way); a results file written before `kv_bits` existed
+    resumes as the full-precision run it was."""
     model, tokenizer = build_tiny("llama"), tiny_tokenizer()
     monkeypatch.setattr(ruler, "make_samples", _fixed_samples)
+    table = {task: {**setting, "tokens_to_generate": 32} for task, setting in task_table().items()}
+    monkeypatch.setattr(ruler, "task_table", lambda: table)
     four = _settings(kv_bits=4, policies=("full", "h2o", "kvzip"))
     records = ruler_job(model, tokenizer, four, tmp_path / "four", progress=False)
     assert {r["kv_bits"] for r in records} == {4}
@@ -125,8 +130,11 @@ def _held_by_cell(monkeypatch) -> dict[str, list[dict]]:
 
     def spy(model, prompts, steps, policy, *args, held: list, **kwargs):
         for cache in held:
-            layers = [(layer.held_slots(), layer.codec) for layer in cache.policy_layers()]
-            seen[cache.policy.name] = [{**{k: v.clone() for k, v in s.items()}, "codec": c} for s, c in layers]
+            layers = [(layer.held_slots(), layer.codec, layer.store) for layer in cache.policy_layers()]
+            seen[cache.policy.name] = [
+                {**{k: v.clone() for k, v in s.items()}, "codec": c, "centre": c and store.centre("keys")}
+                for s, c, store in layers
+            ]
         return generate(model, prompts, steps, policy, *args, held=held, **kwargs)
 
     monkeypatch.setattr(sparsegen.decode, "generate", spy)
@@ -194,8 +202,9 @@ def test_kv_bits_hold_each_cell_as_rounded_bytes_and_the_answer_reads_them(monke
     """In 4 bits a held key or value is d/2 bytes of codes plus an fp16 scale and minimum per
     group of up to 32 channels, where full precision holds 4 d bytes; decoded, it is off from
     transformers' own vector by more than nothing and by at most what rounding to 15 steps of its
-    range allows (range <= 2 |x| under any orthogonal rotation: |error| <= sqrt(d) |x| / 15); and
-    the answer read from those bytes is not the full-precision one."""
+    range allows (range <= 2 |x| under any orthogonal rotation: |error| <= sqrt(d) |x| / 15; keys
+    rounded less their row's centre c and decoded plus it, so |x| is |k - c| there); and the answer
+    read from those bytes is not the full-precision one."""
     model, tokenizer = build_tiny("llama"), tiny_tokenizer()
     monkeypatch.setattr(ruler, "make_samples", _fixed_samples)
     held = _held_by_cell(monkeypatch)
@@ -209,10 +218,12 @@ def test_kv_bits_hold_each_cell_as_rounded_bytes_and_the_answer_reads_them(monke
     worst = 0.0
     for layer, reference in zip(held["full"], context_kv, strict=True):
         assert layer["positions"][0].tolist() == [list(range(len(context)))] * len(layer["positions"][0])
-        for stored, truth in zip((layer["keys"], layer["values"]), reference, strict=True):
+        centre = layer["centre"][0]  # [h, d]: keys are rounded less it, values as they are
+        shifts = (centre[:, None], torch.zeros_like(centre)[:, None])
+        for stored, truth, shift in zip((layer["keys"], layer["values"]), reference, shifts, strict=True):
             assert stored.dtype == torch.uint8 and stored.shape[-1] == dim // 2 + 4 * math.ceil(dim / 32)
-            error = (layer["codec"].decode(stored[0]) - truth).norm(dim=-1)
-            assert bool((error <= math.sqrt(dim) * truth.norm(dim=-1) / 15 * 1.01 + 1e-4).all())
+            error = (layer["codec"].decode(stored[0]) + shift - truth).norm(dim=-1)
+            assert bool((error <= math.sqrt(dim) * (truth - shift).norm(dim=-1) / 15 * 1.01 + 1e-4).all())
             worst = max(worst, float((error / truth.norm(dim=-1)).max()))
     assert worst > 1e-3  # rounded, not held exactly
     assert four[0]["kv_bits"] == 4 and four[0]["prediction"] != exact[0]["prediction"]

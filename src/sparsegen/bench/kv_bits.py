@@ -100,6 +100,8 @@ QUALITY_COLUMNS = [
     ("rotated", "rotated"),
     ("ppl", "ppl"),
     ("vs_fp32_kv", "vs fp32 KV"),
+    ("standard_error", "± 1 s.e."),
+    ("kl_millinats", "KL to fp32 KV (millinats)"),
     ("kv_mb", "KV MB"),
 ]
 
@@ -117,25 +119,28 @@ def bench_kv_bits_quality(
     device: str | None = None,
 ) -> dict:
     """Perplexity of `tokens` tokens of `text` per policy x bit width, each rounded with and without
-    the rotation (`kv.quantized`), against the same policy with fp32 KV. Read `chunk` tokens a
-    forward: the ring already holds each row's newest 32 tokens at full precision, so a chunk up to
-    that changes little of what the rounding reaches. Quality only: no time is taken."""
+    the rotation (`kv.quantized`), against the same policy with fp32 KV: the change, its standard
+    error over the scored tokens (the paired NLL differences'), and the mean KL divergence of each
+    next-token distribution from fp32 KV's (what the rounding costs, without the sampling noise of
+    which tokens the text happens to hold). Read `chunk` tokens a forward: the ring holds each row's
+    newest 32 tokens at full precision, so a chunk up to that changes little of what the rounding
+    reaches. Weights in fp32 (a GGUF's blocks dequantized), so that the KV's is the only rounding
+    measured. Quality only: no time is taken."""
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.loading import load
 
-    model, tokenizer = load(model_name, device=device)
+    model, tokenizer = load(model_name, dtype=torch.float32, device=device, gguf_blocks=False)
     ids = tokenize_long(tokenizer, load_text(text), max_tokens=tokens).to(next(model.parameters()).device)
-    settings = [(None, False)] + [(bits, rotated) for bits in widths for rotated in (True, False)]
+    settings = [(bits, rotated) for bits in widths for rotated in (True, False)]
     rows = []
     for policy in policies:
+        progress(f"{policy}, KV fp32")
+        reference = _read_text(model, ids, KVSpec.of(policy, **budget_of(policy, cache)), chunk)
+        rows.append(_quality_row(policy, None, False, reference, None))
         for bits, rotated in settings:
-            kv = "fp32" if bits is None else f"int{bits}"
-            progress(f"{policy}, KV {kv}{' rotated' if rotated else ''}")
-            ppl, kv_bytes = _perplexity(model, ids, policy, budget_of(policy, cache), bits, rotated, chunk)
-            rows.append({"policy": policy, "kv": kv, "rotated": rotated, "ppl": ppl, "kv_mb": kv_bytes / 2**20})
-    for row in rows:
-        fp32 = next(r for r in rows if (r["policy"], r["kv"]) == (row["policy"], "fp32"))
-        row["vs_fp32_kv"] = f"{100 * (row['ppl'] / fp32['ppl'] - 1):+.2f}%"
+            progress(f"{policy}, KV int{bits}{' rotated' if rotated else ''}")
+            spec = KVSpec.of(policy, kv_bits=bits, kv_rotated=rotated, **budget_of(policy, cache))
+            rows.append(_quality_row(policy, bits, rotated, _read_text(model, ids, spec, chunk, reference), reference))
     meta = run_meta(model=model_name, text=text, tokens=int(ids.numel()), chunk=chunk, cache=cache)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench_kv_bits_quality.json", {"meta": meta, "rows": rows})
@@ -147,18 +152,39 @@ def bench_kv_bits_quality(
     return {"meta": meta, "rows": rows}
 
 
-@torch.inference_mode()
-def _perplexity(model, ids, policy: str, budget: dict, bits: int | None, rotated: bool, chunk: int):
-    """Perplexity of `ids` read `chunk` at a time into a fresh cache, and the cache's peak bytes."""
-    from sparsegen.kv import make_cache, policy_attention
-    from sparsegen.kv.spec import KVSpec
+def _quality_row(policy: str, bits: int | None, rotated: bool, read: dict, reference: dict | None) -> dict:
+    """One table row: perplexity, and against fp32 KV (`reference`) its change, that change's
+    standard error and the mean KL (in thousandths of a nat)."""
+    row = {"policy": policy, "kv": "fp32" if bits is None else f"int{bits}", "rotated": rotated}
+    row |= {"ppl": math.exp(float(read["nll"].mean())), "kv_mb": read["peak"] / 2**20}
+    if reference is None:
+        return row | {"vs_fp32_kv": "+0.00%", "standard_error": "", "kl_millinats": 0.0}
+    change = (read["nll"] - reference["nll"]).double()
+    row["vs_fp32_kv"] = f"{100 * math.expm1(float(change.mean())):+.2f}%"
+    row["standard_error"] = f"{100 * float(change.std()) / math.sqrt(change.numel()):.2f}%"
+    return row | {"kl_millinats": 1000 * float(read["kl"].double().mean())}
 
-    cache = make_cache(model, KVSpec.of(policy, kv_bits=bits, kv_rotated=rotated, **budget))
-    nll, peak = 0.0, 0
+
+@torch.inference_mode()
+def _read_text(model, ids, spec: KVSpec, chunk: int, reference: dict | None = None) -> dict:
+    """`ids` read `chunk` at a time into a fresh cache of `spec`: each scored token's NLL, the
+    log-probabilities (where no `reference` is given) or the KL of each next-token distribution
+    from the reference's, and the cache's peak bytes."""
+    from sparsegen.kv import make_cache, policy_attention
+
+    cache = make_cache(model, spec)
+    nll, kl, log_probs, peak = [], [], [], 0
     with policy_attention(model):
         for start in range(0, ids.numel() - 1, chunk):
             stop = min(start + chunk, ids.numel() - 1)
             logits = model(input_ids=ids[None, start:stop], cache=cache, use_cache=True).logits[0].float()
-            nll += torch.nn.functional.cross_entropy(logits, ids[start + 1 : stop + 1], reduction="sum").item()
+            here = logits.log_softmax(-1)
+            nll.append(-here.gather(1, ids[start + 1 : stop + 1, None])[:, 0])
+            if reference is None:
+                log_probs.append(here)
+            else:
+                there = reference["log_probs"][start:stop]
+                kl.append((there.exp() * (there - here)).sum(-1))
             peak = max(peak, cache.kv_bytes())
-    return math.exp(nll / (ids.numel() - 1)), peak
+    out = {"nll": torch.cat(nll), "peak": peak}
+    return out | ({"log_probs": torch.cat(log_probs)} if reference is None else {"kl": torch.cat(kl)})

@@ -5,8 +5,9 @@
 // Byte rows (sparsegen/kv/quantized.py): each row
 // is D codes (one byte each at 8 bits, two a byte at 4, low nibble first) followed by, per group
 // of `group` channels, an fp16 scale and an fp16 minimum. A slot whose token is among its row's
-// newest RESIDUAL is read from the full-precision ring instead, and a free slot (position < 0) is
-// skipped. Each row is decoded into a buffer that stays in L1 and used at once for every query of
+// first `sinks` or newest RESIDUAL is read from the full-precision ring instead (slots 0..sinks-1
+// hold the first tokens, the rest the newest by position mod RESIDUAL), and a free slot (position
+// < 0) is skipped. Each row is decoded into a buffer that stays in L1 and used at once for every query of
 // its head, so a step reads the bytes and never a float copy of the cache.
 //
 // The decoded buffer is in "code order": at 4 bits the low nibbles' channels (0, 2, 4, ...) then
@@ -26,11 +27,11 @@ namespace {
 
 constexpr int64_t kMaxDim = 512;
 
-struct Rows {  // one [b, h, n, width] byte tensor, its ring [b, h, R, d] fp32 and slot positions [b, h, n]
+struct Rows {  // one [b, h, n, width] byte tensor, its ring [b, h, sinks + R, d] fp32 and slot positions [b, h, n]
   const uint8_t* bytes;
   int64_t s0, s1, s2;
   const float* ring;
-  int64_t ring_size;
+  int64_t ring_size, sinks;
   const int64_t* positions;
   const int64_t* seen;
   int64_t h, n, dim, bits, group;
@@ -39,8 +40,12 @@ struct Rows {  // one [b, h, n, width] byte tensor, its ring [b, h, R, d] fp32 a
   const float* ring_row(int64_t bi, int64_t hi, int64_t t, bool* skip) const {
     const int64_t pos = positions[(bi * h + hi) * n + t];
     *skip = pos < 0;
-    if (pos < 0 || pos < seen[bi] - ring_size) return nullptr;
-    return ring + ((bi * h + hi) * ring_size + pos % ring_size) * dim;
+    if (pos < 0) return nullptr;
+    const float* base = ring + (bi * h + hi) * ring_size * dim;
+    if (pos < sinks) return base + pos * dim;
+    const int64_t residual = ring_size - sinks;
+    if (pos < seen[bi] - residual) return nullptr;
+    return base + (sinks + pos % residual) * dim;
   }
   const uint8_t* row(int64_t bi, int64_t hi, int64_t t) const { return bytes + bi * s0 + hi * s1 + t * s2; }
 };
@@ -93,17 +98,19 @@ using lanes::dot;
 using lanes::exp_shifted;
 
 Rows rows_of(const torch::Tensor& bytes, const torch::Tensor& ring, const torch::Tensor& positions,
-             const torch::Tensor& seen, int64_t dim, int64_t bits, int64_t group, const char* what) {
+             const torch::Tensor& seen, int64_t dim, int64_t bits, int64_t group, int64_t sinks, const char* what) {
   TORCH_CHECK(bytes.scalar_type() == torch::kUInt8 && bytes.dim() == 4 && bytes.stride(3) == 1, what,
               ": byte rows [b, h, n, width] with contiguous rows expected");
   TORCH_CHECK(ring.scalar_type() == torch::kFloat && ring.is_contiguous() && ring.size(3) == dim, what,
               ": a contiguous fp32 ring [b, h, R, d] expected");
+  TORCH_CHECK(sinks >= 0 && ring.size(2) > sinks, what, ": a ring of ", ring.size(2), " slots cannot hold ", sinks,
+              " first tokens and the newest");
   TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && seen.is_contiguous(), what,
               ": contiguous int64 positions and seen expected");
   TORCH_CHECK(dim <= kMaxDim && dim % group == 0 && (bits == 8 || (bits == 4 && dim % 2 == 0)), what,
               ": head dim ", dim, " with groups of ", group, " at ", bits, " bits is not supported");
   return Rows{bytes.data_ptr<uint8_t>(), bytes.stride(0), bytes.stride(1), bytes.stride(2),
-              ring.data_ptr<float>(), ring.size(2), positions.data_ptr<int64_t>(), seen.data_ptr<int64_t>(),
+              ring.data_ptr<float>(), ring.size(2), sinks, positions.data_ptr<int64_t>(), seen.data_ptr<int64_t>(),
               bytes.size(1), bytes.size(2), dim, bits, group};
 }
 
@@ -111,10 +118,10 @@ Rows rows_of(const torch::Tensor& bytes, const torch::Tensor& ring, const torch:
 
 // query [b, h, g, d] fp32 . every held key -> [b, h, g, n] (0 at free slots).
 torch::Tensor kv_scores(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
-                        torch::Tensor seen, int64_t bits, int64_t group) {
+                        torch::Tensor seen, int64_t bits, int64_t group, int64_t sinks) {
   const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3);
   TORCH_CHECK(query.scalar_type() == torch::kFloat && query.is_contiguous(), "kv_scores: contiguous fp32 query");
-  const Rows r = rows_of(keys, ring, positions, seen, d, bits, group, "kv_scores");
+  const Rows r = rows_of(keys, ring, positions, seen, d, bits, group, sinks, "kv_scores");
   auto out = torch::zeros({b, h, g, r.n}, query.options());
   const float* q = query.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -146,10 +153,10 @@ torch::Tensor kv_scores(torch::Tensor query, torch::Tensor keys, torch::Tensor r
 
 // probs [b, h, g, n] fp32 x every held value -> [b, h, g, d] (free slots skipped).
 torch::Tensor kv_mix(torch::Tensor probs, torch::Tensor values, torch::Tensor ring, torch::Tensor positions,
-                     torch::Tensor seen, int64_t bits, int64_t group) {
+                     torch::Tensor seen, int64_t bits, int64_t group, int64_t sinks) {
   const int64_t b = probs.size(0), h = probs.size(1), g = probs.size(2), d = ring.size(3);
   TORCH_CHECK(probs.scalar_type() == torch::kFloat && probs.is_contiguous(), "kv_mix: contiguous fp32 probs");
-  const Rows r = rows_of(values, ring, positions, seen, d, bits, group, "kv_mix");
+  const Rows r = rows_of(values, ring, positions, seen, d, bits, group, sinks, "kv_mix");
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(8, r.n / 512));
   // Per task: g accumulators in code order (decoded rows), then g in channel order (ring rows).
   auto partial = torch::zeros({b * h, blocks, 2, g, d}, probs.options());
@@ -320,7 +327,7 @@ torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Ten
 // Shapes alone, for tracing: a compiled step keeps each op as one opaque call. Symbolic sizes, so a
 // graph traced for any row count or slot count stays one graph.
 torch::Tensor kv_scores_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
-                             torch::Tensor seen, int64_t bits, int64_t group) {
+                             torch::Tensor seen, int64_t bits, int64_t group, int64_t sinks) {
   return at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2), keys.sym_size(2)}, query.options());
 }
 
@@ -335,14 +342,14 @@ torch::Tensor slot_attention_meta(torch::Tensor query, torch::Tensor keys, torch
 }
 
 torch::Tensor kv_mix_meta(torch::Tensor probs, torch::Tensor values, torch::Tensor ring, torch::Tensor positions,
-                          torch::Tensor seen, int64_t bits, int64_t group) {
+                          torch::Tensor seen, int64_t bits, int64_t group, int64_t sinks) {
   return at::empty_symint({probs.sym_size(0), probs.sym_size(1), probs.sym_size(2), ring.sym_size(3)}, probs.options());
 }
 
 // Registered with the dispatcher from C++, so a call costs no Python.
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
-  m.def("kv_scores(Tensor query, Tensor keys, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
-  m.def("kv_mix(Tensor probs, Tensor values, Tensor ring, Tensor positions, Tensor seen, int bits, int group) -> Tensor");
+  m.def("kv_scores(Tensor query, Tensor keys, Tensor ring, Tensor positions, Tensor seen, int bits, int group, int sinks) -> Tensor");
+  m.def("kv_mix(Tensor probs, Tensor values, Tensor ring, Tensor positions, Tensor seen, int bits, int group, int sinks) -> Tensor");
   m.def("rolled_scores(Tensor query, Tensor keys, Tensor delta, Tensor table, int reach) -> Tensor");
   m.def("slot_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");
 }

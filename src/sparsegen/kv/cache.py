@@ -99,8 +99,8 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             self.sizes = self._resolve_sizes(self.cumulative_length + n - self.pinned)
         new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
         new_positions = new_positions.expand(*key_states.shape[:2], n)
-        stored_keys, stored_values = self.store.stored("keys", key_states), self.store.stored("values", value_states)
         self.store.remember(key_states, value_states, new_positions)
+        stored_keys, stored_values = self.store.stored("keys", key_states), self.store.stored("values", value_states)
         if self.head_of is not None:
             key_states, value_states = ragged.spread(key_states), ragged.spread(value_states)
             self._append(ragged.spread(stored_keys), ragged.spread(stored_values), ragged.spread(new_positions))

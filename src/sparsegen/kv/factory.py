@@ -10,7 +10,6 @@ from transformers.cache_utils import CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import check_supported
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.key_centre import key_centres
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache
 from sparsegen.kv.quantized import codec_for
@@ -61,17 +60,13 @@ def make_cache(
     rope = KeyRotation(inv_freq)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     codec = codec_for(kv.kv_bits, head_dim, kv.kv_rotated)
-    centres = key_centres(model, inv_freq) if codec is not None else []
     rotation = rope if position == "rolling" else None
     layers: list[CacheLayerMixin] = []
     types = _layer_types(model.config)
     for index, layer_type in enumerate(types):
         if layer_type == "full_attention":
-            centred = codec if codec is None else dataclasses.replace(codec, key_centre=centres[index])
             layers.append(
-                layer_class(
-                    policy, rotation, layer_idx=index, pinned=pinned, layers=len(types), rope=rope, codec=centred
-                )
+                layer_class(policy, rotation, layer_idx=index, pinned=pinned, layers=len(types), rope=rope, codec=codec)
             )
         elif layer_type == "sliding_attention":
             from transformers.cache_utils import DynamicSlidingWindowLayer

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsegen.kv.quantized import RESIDUAL, codec_for
+from sparsegen.kv.quantized import RING_SLOTS, codec_for
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float32, kv_bits: int | None = None) -> int:
@@ -22,9 +22,9 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.float3
 
 
 def kv_ring_bytes(model: torch.nn.Module, kv_bits: int | None, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the full-precision ring of newest tokens a row rounded to `kv_bits` keeps beside
-    its slots (`RESIDUAL` tokens in `dtype`); none at full precision."""
-    return 0 if kv_bits is None else RESIDUAL * kv_bytes_per_token(model, dtype)
+    """Bytes of the full-precision ring of first and newest tokens a row rounded to `kv_bits` keeps
+    beside its slots (`RING_SLOTS` tokens in `dtype`); none at full precision."""
+    return 0 if kv_bits is None else RING_SLOTS * kv_bytes_per_token(model, dtype)
 
 
 def kv_row_bytes(model: torch.nn.Module, tokens: int, kv_bits: int | None = None) -> int:

@@ -1,7 +1,7 @@
 """Attention products over the held KV without a float copy of the cache.
 
 `held_scores` is each query's dot product with each held key, `held_mix` the attention
-probabilities times the held values, both over byte rows with the ring of newest tokens
+probabilities times the held values, both over byte rows with the ring of first and newest tokens
 (`kv.quantized`; 8 and 4 bits, `reads_bytes`; a rotated codec's rows are multiplied in its rotated
 space, the query and ring rotated in and the mixed values rotated out); `rolled_scores` the products
 with full-precision keys rotated to rolling positions on the fly (`kv.rope`); `slot_attention` a
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from sparsegen.kernels import load_kv_int
-from sparsegen.kv.quantized import KVCodec
+from sparsegen.kv.quantized import SINKS, KVCodec, row_centre
 from sparsegen.kv.rope import TABLE_REACH, KeyRotation
 
 KERNEL_BITS = (8, 4)
@@ -44,28 +44,25 @@ def _slots(positions: torch.Tensor, seen: torch.Tensor | int) -> tuple[torch.Ten
 
 
 def held_scores(query, keys, codec: KVCodec, positions, seen, recent_keys) -> torch.Tensor:
-    """query [b, h, g, d] . every slot's key as read (`kv.quantized.with_residual`): a slot whose
-    position is among its row's newest (of `seen` tokens) from the ring `recent_keys` [b, h, R, d],
-    the others decoded; 0 at free slots. fp32 [b, h, g, n]. Rows held less a key centre c [h, d]
-    are multiplied as they are, with the ring less c, and q.c added to every live slot."""
+    """query [b, h, g, d] . every slot's key as read (`kv.quantized.with_residual`): a slot of one
+    of its row's first or newest tokens (of `seen`) from the ring `recent_keys` [b, h, RING_SLOTS, d],
+    the others decoded; 0 at free slots. fp32 [b, h, g, n]. Rows held less their row's key centre c
+    (`row_centre`) are multiplied as they are, with the ring less c, and q.c added at every live slot."""
     positions, seen = _slots(positions, seen)
-    centre = codec.key_centre
-    ring = recent_keys if centre is None else recent_keys.float() - centre.unsqueeze(-2)
-    rotated, ring = (codec.rotate(t).contiguous() for t in (query, ring))  # q.k = (qM).(kM)
-    scores = torch.ops.sparsegen.kv_scores(rotated, keys, ring, positions, seen, codec.bits, codec.group)
-    if centre is None:
-        return scores
-    shift = query.float() @ centre.unsqueeze(-1)  # [b, h, g, 1]: q.c, the same for every key of a head
+    centre = row_centre(recent_keys).unsqueeze(-2)  # [b, h, 1, d]
+    rotated, ring = (codec.rotate(t).contiguous() for t in (query, recent_keys.float() - centre))  # q.k = (qM).(kM)
+    scores = torch.ops.sparsegen.kv_scores(rotated, keys, ring, positions, seen, codec.bits, codec.group, SINKS)
+    shift = (query.float() * centre).sum(-1, keepdim=True)  # [b, h, g, 1]: q.c, the same for every key of a row's head
     return scores + torch.where(positions.unsqueeze(2) >= 0, shift, 0.0)
 
 
 def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> torch.Tensor:
-    """probs [b, h, g, n] x every slot's value as read (the newest from the ring `recent_values`
-    [b, h, R, d], the others decoded; free slots skipped): fp32 [b, h, g, d]."""
+    """probs [b, h, g, n] x every slot's value as read (the first and newest from the ring
+    `recent_values` [b, h, RING_SLOTS, d], the others decoded; free slots skipped): fp32 [b, h, g, d]."""
     positions, seen = _slots(positions, seen)
     ring = codec.rotate(recent_values).contiguous()
     probs = probs.float().contiguous()
-    mixed = torch.ops.sparsegen.kv_mix(probs, values, ring, positions, seen, codec.bits, codec.group)
+    mixed = torch.ops.sparsegen.kv_mix(probs, values, ring, positions, seen, codec.bits, codec.group, SINKS)
     return codec.unrotate(mixed)  # sum(p vM) M^T = sum(p v)
 
 

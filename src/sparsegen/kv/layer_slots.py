@@ -82,7 +82,7 @@ class HandOver:
 
     def restore(self, state: dict) -> None:
         """Hold what `checkpoint` saved (its codec checked by the caller)."""
-        tokens = {name: state.get(name) for name in _STORE_STATE}  # no ring in checkpoints that predate it
+        tokens = {name: state.get(name) for name in _STORE_STATE}  # a ring only with a codec
         self.store = (
             None if tokens["keys"] is None else SlotStore(**tokens, codec=self.codec, kv_heads=state["kv_heads"])
         )

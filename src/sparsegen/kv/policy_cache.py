@@ -8,6 +8,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.policy import Policy
+from sparsegen.kv.quantized import RING_SLOTS
 from sparsegen.kv.spec import KVSpec
 
 
@@ -97,6 +98,12 @@ def load_layer_state(layer: CacheLayerMixin, state: dict) -> None:
     wanted = (None, False) if layer.codec is None else (layer.codec.bits, layer.codec.rotated)
     if held != wanted:
         raise SparsegenError(f"this checkpoint holds KV in {_bits(*held)}, this cache in {_bits(*wanted)}")
+    ring = state.get("recent_keys")
+    if layer.codec is not None and state.get("keys") is not None and (ring is None or ring.shape[2] != RING_SLOTS):
+        raise SparsegenError(
+            "this checkpoint's rounded KV comes from an older sparsegen (its ring of full-precision tokens "
+            f"holds {0 if ring is None else ring.shape[2]}, not {RING_SLOTS}): start the stream again"
+        )
     layer.restore(state)
 
 

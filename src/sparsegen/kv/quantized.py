@@ -10,7 +10,10 @@ up, so keys are rounded per token here, as transformers' quantized cache does by
 does, the newest `RESIDUAL` tokens of each row are also kept at full precision, in a ring indexed
 by position, and read from there while they are that new (with per-token groups alone, int4 keys
 moved SmolLM2's perplexity by +2.9% token by token; with the ring, +0.4%); so are all the tokens
-a forward reads itself (a prompt chunk longer than the ring).
+a forward reads itself (a prompt chunk longer than the ring). The same ring keeps each row's first
+`SINKS` tokens for good, read from there at every step: attention sinks draw much of many heads'
+attention, so their rounding error weighs on every later token, and their keys set the row's
+centre (`row_centre`).
 
 A `rotated` codec multiplies each vector by a fixed orthogonal matrix (`rotation`: a normalised
 Hadamard transform with fixed random signs, QuaRot's and llama.cpp's) before rounding and by its
@@ -21,15 +24,20 @@ decoded, un-rotated key or value, so it composes with every policy and position 
 products (`kv.kernels`) use q.k = (qM).(kM) and sum(p v M) M^T = sum(p v) instead of un-rotating
 every row.
 
-A codec may also carry a layer's `key_centre` (`kv.key_centre`): a constant each key of a head
-holds (Qwen2.5's key bias, in the bands RoPE barely turns), taken off before rounding and put back
-after decoding, so that the group's step is set by what varies from token to token.
+Keys are rounded less their row's centre (`row_centre`: the mean key of the row's first tokens
+after the first, read from the ring) and decoded plus it. Keys share a large constant part that
+varies little from token to token (RoPE barely turns its slowest channel pairs: Qwen2.5's key bias
+there reaches 354); rounded per token it sets each group's step, and taking it off cuts the
+rounding error of SmolLM2's keys by a third at 4, 3 and 2 bits (docs/benchmarks.md). The centre
+is a row's own, fixed once its first `SINKS` tokens are written (no token rounded before that is
+ever read from its bytes), and it travels with the row's ring through every move of rows, so
+eviction and batching never change what a token decodes to.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +48,11 @@ SCALE_BYTES = 4
 """A group's fp16 scale and fp16 minimum."""
 RESIDUAL = 32
 """The newest tokens of a row read at full precision (KIVI's residual; its group size)."""
+SINKS = 16
+"""A row's first tokens, read at full precision for good; its centre is their mean key but the first's."""
+RING_SLOTS = SINKS + RESIDUAL
+"""Ring slots a row keeps: positions 0..SINKS-1 in slots 0..SINKS-1, then the newest RESIDUAL by
+position mod RESIDUAL (`ring_index`)."""
 SIGN_SEED = 0x5EED
 """The seed of the rotation's fixed signs: part of the stored format, never to change."""
 CLIPS = {8: (1.0,), 4: (1.0,), 3: (1.0,), 2: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)}
@@ -113,13 +126,11 @@ class KVCodec:
     """How a head's key or value vector of `dim` numbers is stored: `bits` (8, 4, 3 or 2) a number,
     asymmetric rounding in groups of `group` channels (the largest divisor of `dim` up to 32),
     after the `rotation` where `rotated`. Codecs that differ in any of those fields hold different
-    bytes. `key_centre` [h, d] is one layer's (`kv.key_centre`; None: keys are rounded as they are):
-    the model's, not part of the format's identity."""
+    bytes."""
 
     bits: int
     group: int = 32
     rotated: bool = True
-    key_centre: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         checked_bits(self.bits)
@@ -151,12 +162,8 @@ class KVCodec:
         """`rotate`'s inverse: y @ M^T in fp32."""
         return y.float() @ rotation(y.shape[-1], y.device).T if self.rotated else y.float()
 
-    def centre_of(self, name: str) -> torch.Tensor | None:
-        """The centre of "keys" or "values" as held (values have none)."""
-        return self.key_centre if name == "keys" else None
-
     def encode(self, x: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., h, n, dim] floats -> [..., h, n, width(dim)] bytes, less `centre` [h, dim] first."""
+        """[..., h, n, dim] floats -> [..., h, n, width(dim)] bytes, less `centre` [..., h, dim] first."""
         *lead, dim = x.shape
         if centre is not None:
             x = x.float() - centre.unsqueeze(-2)
@@ -196,9 +203,13 @@ class KVCodec:
         head_of: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[..., h, n, width] bytes -> [..., h, n, dim] numbers in `dtype`, un-rotated, `centre`
-        [h, dim] put back (each slot's head's, by `head_of` [b, 1, n], where heads are held flat)."""
+        [..., h, dim] put back (with heads held flat, `centre` [b, heads, dim] and each slot's head's
+        by `head_of` [b, 1, n])."""
         if centre is not None:
-            shift = centre.unsqueeze(-2) if head_of is None else centre[head_of]
+            if head_of is None:
+                shift = centre.unsqueeze(-2)
+            else:  # each slot its own head's: [b, 1, n, d]
+                shift = centre[torch.arange(head_of.shape[0], device=head_of.device).view(-1, 1, 1), head_of]
             return (self.decode(rows) + shift).to(dtype)
         *lead, width = rows.shape
         dim = self.dim_of(width)
@@ -218,19 +229,36 @@ class KVCodec:
         dtype: torch.dtype = torch.float32,
         centre: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Held byte `rows` [b, h, n, width] at `positions` as numbers: decoded with their `centre`,
-        the newest tokens of each row (of `seen`) read from the `recent` ring at full precision
-        instead (`with_residual`). The one quantized read of the drop-in cache and the fast path."""
+        """Held byte `rows` [b, h, n, width] at `positions` as numbers: decoded with their `centre`
+        [b, h, d], each row's first and newest tokens (of `seen`) read from the `recent` ring at full
+        precision instead (`with_residual`). The one quantized read of the drop-in cache and the fast path."""
         return with_residual(self.decode(rows, dtype, centre, head_of), positions, seen, recent, head_of)
+
+
+def ring_index(positions: torch.Tensor) -> torch.Tensor:
+    """The ring slot of each position [...]: a first token's own (0..SINKS-1), else SINKS + position
+    mod RESIDUAL (a free slot's, position < 0, is 0: never read)."""
+    return torch.where(positions < SINKS, positions.clamp_min(0), SINKS + positions.remainder(RESIDUAL))
 
 
 def remember(recent: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> None:
     """Write new tokens' keys or values [b, h, n, d] at `positions` [b, h, n] into the ring
-    `recent` [b, h, RESIDUAL, d] (slot = position mod RESIDUAL; only the newest RESIDUAL land)."""
-    size = recent.shape[2]
-    states, positions = states[:, :, -size:], positions[:, :, -size:]
-    index = positions.remainder(size).unsqueeze(-1).expand(*positions.shape, states.shape[-1])
-    recent.scatter_(2, index, states.to(recent.dtype))
+    `recent` [b, h, RING_SLOTS, d] (`ring_index`): the newest RESIDUAL of them, and any of the first SINKS
+    positions a longer chunk holds before those."""
+    newest, at = states[:, :, -RESIDUAL:], positions[:, :, -RESIDUAL:]
+    index = ring_index(at).unsqueeze(-1).expand(*at.shape, states.shape[-1])
+    recent.scatter_(2, index, newest.to(recent.dtype))
+    if states.shape[2] > RESIDUAL:  # a chunk: its first tokens may lie before its newest RESIDUAL
+        match = positions.unsqueeze(-1) == torch.arange(SINKS, device=positions.device)  # [b, h, n, SINKS]
+        where = match.int().argmax(2).unsqueeze(-1).expand(-1, -1, -1, states.shape[-1])
+        first = states.gather(2, where).to(recent.dtype)
+        recent[:, :, :SINKS] = torch.where(match.any(2).unsqueeze(-1), first, recent[:, :, :SINKS])
+
+
+def row_centre(recent_keys: torch.Tensor) -> torch.Tensor:
+    """Each row's key centre [b, h, d] (fp32) from its ring [b, h, RING_SLOTS, d]: the mean key of its
+    positions 1..SINKS-1 (the first token, an attention sink, is often far from the others)."""
+    return recent_keys[:, :, 1:SINKS].float().mean(2)
 
 
 def with_residual(
@@ -240,16 +268,15 @@ def with_residual(
     recent: torch.Tensor,
     head_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decoded` held rows [b, h, n, d] with the slots whose position is among each row's newest
-    RESIDUAL (of `seen` tokens) read from the ring instead. `head_of` tags the slots of heads held
-    flat (`kv.ragged`: h = 1, the ring's heads side by side)."""
-    size = recent.shape[2]
-    newest = (positions >= 0) & (positions >= seen - size)
-    index = positions.remainder(size)
+    """`decoded` held rows [b, h, n, d] with the slots of each row's first SINKS positions and of
+    its newest RESIDUAL (of `seen` tokens) read from the ring instead. `head_of` tags the slots of
+    heads held flat (`kv.ragged`: h = 1, the ring's heads side by side)."""
+    in_ring = (positions >= 0) & ((positions < SINKS) | (positions >= seen - RESIDUAL))
+    index = ring_index(positions)
     if head_of is not None:
-        index, recent = index + head_of * size, recent.reshape(recent.shape[0], 1, -1, recent.shape[-1])
+        index, recent = index + head_of * RING_SLOTS, recent.reshape(recent.shape[0], 1, -1, recent.shape[-1])
     ring = recent.gather(2, index.unsqueeze(-1).expand(*index.shape, recent.shape[-1]))
-    return torch.where(newest.unsqueeze(-1), ring.to(decoded.dtype), decoded)
+    return torch.where(in_ring.unsqueeze(-1), ring.to(decoded.dtype), decoded)
 
 
 def checked_bits(bits: int | None) -> int | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from sparsegen.kv.quantized import RESIDUAL, KVCodec, remember
+from sparsegen.kv.quantized import RING_SLOTS, KVCodec, remember, row_centre
 
 EMPTY = -1
 """The position of a free slot."""
@@ -81,8 +81,8 @@ def store_view(name: str) -> property:
 @dataclass
 class SlotStore:
     """keys, values [b, h, C, d] (a codec's byte rows [b, h, C, width] with a `codec`);
-    positions, scores [b, h, C]. With a codec, `recent_keys`, `recent_values` [b, h, RESIDUAL, d]
-    hold each row's newest tokens at full precision (`kv.quantized`). With `head_of` [b, 1, C] the
+    positions, scores [b, h, C]. With a codec, `recent_keys`, `recent_values` [b, h, RING_SLOTS, d]
+    hold each row's first and newest tokens at full precision (`kv.quantized`). With `head_of` [b, 1, C] the
     `kv_heads` heads of a head-adaptive layer are held flat (`kv.ragged`): h is 1 and each slot is
     tagged by its head."""
 
@@ -103,7 +103,7 @@ class SlotStore:
         ring = {}
         if codec is not None:
             ring = {
-                name: t.new_zeros(b, h, RESIDUAL, t.shape[-1]) for name, t in zip(RING, (keys, values), strict=True)
+                name: t.new_zeros(b, h, RING_SLOTS, t.shape[-1]) for name, t in zip(RING, (keys, values), strict=True)
             }
         stored = (t[:, :, :0] if codec is None else codec.encode(t[:, :, :0]) for t in (keys, values))
         positions = torch.empty(b, h, 0, dtype=torch.long, device=keys.device)
@@ -133,18 +133,23 @@ class SlotStore:
         return {name: getattr(self, name)[:, :, :count] for name in self.per_slot}
 
     def ring(self) -> dict[str, torch.Tensor]:
-        """The ring of the newest tokens by name (none without a codec)."""
+        """The ring of the first and newest tokens by name (none without a codec)."""
         return {} if self.codec is None else {name: getattr(self, name) for name in RING}
 
     def stored(self, name: str, states: torch.Tensor) -> torch.Tensor:
-        """The "keys" or "values" [b, h, n, d] as held: the codec's byte rows (keys less their centre), or
-        the numbers in the store's dtype."""
+        """The "keys" or "values" [b, h, n, d] as held: the codec's byte rows (keys less their row's
+        centre: `remember` them first), or the numbers in the store's dtype."""
         if self.codec is None:
             return states.to(self.keys.dtype)
-        return self.codec.encode(states, self.codec.centre_of(name))
+        return self.codec.encode(states, self.centre(name))
+
+    def centre(self, name: str) -> torch.Tensor | None:
+        """Each row's centre [b, h, d] of "keys" (`kv.quantized.row_centre`); values have none."""
+        return row_centre(self.recent_keys) if name == "keys" else None
 
     def remember(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """With a codec, put new tokens' full-precision keys and values at `positions` [b, h, n] in the ring."""
+        """With a codec, put new tokens' full-precision keys and values at `positions` [b, h, n] in the ring
+        (before `stored`: a row's first tokens set its centre)."""
         if self.codec is not None:
             remember(self.recent_keys, keys, positions)
             remember(self.recent_values, values, positions)
@@ -204,15 +209,14 @@ class SlotStore:
 
     def read_one(self, name: str, seen: int | torch.Tensor, count: int | None = None, dtype=torch.float32):
         """The first `count` slots (all when None) of "keys" or "values" as numbers: the buffer
-        itself, or decoded in `dtype` with each row's newest tokens (of `seen`) from the ring at full
-        precision. The one quantized read of every path."""
+        itself, or decoded in `dtype` with each row's first and newest tokens (of `seen`) from the ring
+        at full precision. The one quantized read of every path."""
         held = getattr(self, name)[:, :, :count]
         if self.codec is None:
             return held
         head_of = None if self.head_of is None else self.head_of[:, :, :count]
         recent = self.recent_keys if name == "keys" else self.recent_values
-        centre = self.codec.centre_of(name)
-        return self.codec.read(held, self.positions[:, :, :count], seen, recent, head_of, dtype, centre)
+        return self.codec.read(held, self.positions[:, :, :count], seen, recent, head_of, dtype, self.centre(name))
 
     def read(self, seen: int | torch.Tensor, count: int | None = None, dtype=torch.float32):
         """Keys and values as numbers (`read_one`)."""
