@@ -123,8 +123,8 @@ def bench_kv_bits_quality(
     error over the scored tokens (the paired NLL differences'), and the mean KL divergence of each
     next-token distribution from fp32 KV's (what the rounding costs, without the sampling noise of
     which tokens the text happens to hold). Read `chunk` tokens a forward: the ring holds each row's
-    newest 32 tokens at full precision, so a chunk up to that changes little of what the rounding
-    reaches. Weights in fp32 (a GGUF's blocks dequantized), so that the KV's is the only rounding
+    first 16 and newest 32 tokens at full precision, so a chunk up to 32 changes little of what the
+    rounding reaches. Weights in fp32 (a GGUF's blocks dequantized), so that the KV's is the only rounding
     measured. Quality only: no time is taken."""
     from sparsegen.data import load_text, tokenize_long
     from sparsegen.loading import load

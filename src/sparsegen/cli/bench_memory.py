@@ -84,7 +84,9 @@ def bench_kv_bits_command(
     kv_bits: str = typer.Option("8,4", "--kv-bits", help="Bit widths beside fp32, comma-separated."),
     cache: int = typer.Option(512, "--cache", help="Tokens the bounded policies keep."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens decoded per measurement."),
-    quality: bool = typer.Option(False, "--quality", help="Perplexity, rotated and not, instead of speed."),
+    quality: bool = typer.Option(
+        False, "--quality", help="Perplexity, its standard error and KL to fp32 KV, rotated and not, not speed."
+    ),
     tokens: int = typer.Option(2048, "--tokens", help="With --quality: tokens of --text read."),
     chunk: int = typer.Option(16, "--chunk", help="With --quality: tokens read a forward."),
     out_dir: Path = typer.Option(Path("results/bench_kv_bits"), "--out"),
