@@ -116,11 +116,16 @@ Rows rows_of(const torch::Tensor& bytes, const torch::Tensor& ring, const torch:
 
 }  // namespace
 
-// query [b, h, g, d] fp32 . every held key -> [b, h, g, n] (0 at free slots).
+// query [b, h, g, d] fp32 . every held key -> [b, h, g, n] (0 at free slots). A key read from its
+// bytes gets shift [b, h, g] added: rows rounded less their row's centre c are multiplied as they are,
+// and q.c, the same for every such slot of a head, is added here rather than by a pass over the scores.
 torch::Tensor kv_scores(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
-                        torch::Tensor seen, int64_t bits, int64_t group, int64_t sinks) {
+                        torch::Tensor seen, torch::Tensor shift, int64_t bits, int64_t group, int64_t sinks) {
   const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3);
   TORCH_CHECK(query.scalar_type() == torch::kFloat && query.is_contiguous(), "kv_scores: contiguous fp32 query");
+  TORCH_CHECK(shift.scalar_type() == torch::kFloat && shift.is_contiguous() && shift.numel() == b * h * g,
+              "kv_scores: a contiguous fp32 shift [b, h, g]");
+  const float* added = shift.data_ptr<float>();
   const Rows r = rows_of(keys, ring, positions, seen, d, bits, group, sinks, "kv_scores");
   auto out = torch::zeros({b, h, g, r.n}, query.options());
   const float* q = query.data_ptr<float>();
@@ -144,7 +149,8 @@ torch::Tensor kv_scores(torch::Tensor query, torch::Tensor keys, torch::Tensor r
         if (skip) continue;
         if (recent == nullptr) decode_row(r.row(bi, hi, t), r, row);
         for (int64_t k = 0; k < g; ++k)
-          o[(bh * g + k) * r.n + t] = recent ? dot(qs + k * d, recent, d) : dot(coded.data() + k * d, row, d);
+          o[(bh * g + k) * r.n + t] =
+              recent ? dot(qs + k * d, recent, d) : dot(coded.data() + k * d, row, d) + added[bh * g + k];
       }
     }
   });
@@ -327,7 +333,7 @@ torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Ten
 // Shapes alone, for tracing: a compiled step keeps each op as one opaque call. Symbolic sizes, so a
 // graph traced for any row count or slot count stays one graph.
 torch::Tensor kv_scores_meta(torch::Tensor query, torch::Tensor keys, torch::Tensor ring, torch::Tensor positions,
-                             torch::Tensor seen, int64_t bits, int64_t group, int64_t sinks) {
+                             torch::Tensor seen, torch::Tensor shift, int64_t bits, int64_t group, int64_t sinks) {
   return at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2), keys.sym_size(2)}, query.options());
 }
 
@@ -348,7 +354,9 @@ torch::Tensor kv_mix_meta(torch::Tensor probs, torch::Tensor values, torch::Tens
 
 // Registered with the dispatcher from C++, so a call costs no Python.
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
-  m.def("kv_scores(Tensor query, Tensor keys, Tensor ring, Tensor positions, Tensor seen, int bits, int group, int sinks) -> Tensor");
+  m.def(
+      "kv_scores(Tensor query, Tensor keys, Tensor ring, Tensor positions, Tensor seen, Tensor shift, int bits, int group, "
+      "int sinks) -> Tensor");
   m.def("kv_mix(Tensor probs, Tensor values, Tensor ring, Tensor positions, Tensor seen, int bits, int group, int sinks) -> Tensor");
   m.def("rolled_scores(Tensor query, Tensor keys, Tensor delta, Tensor table, int reach) -> Tensor");
   m.def("slot_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");

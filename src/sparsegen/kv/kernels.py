@@ -47,13 +47,15 @@ def held_scores(query, keys, codec: KVCodec, positions, seen, recent_keys) -> to
     """query [b, h, g, d] . every slot's key as read (`kv.quantized.with_residual`): a slot of one
     of its row's first or newest tokens (of `seen`) from the ring `recent_keys` [b, h, RING_SLOTS, d],
     the others decoded; 0 at free slots. fp32 [b, h, g, n]. Rows held less their row's key centre c
-    (`row_centre`) are multiplied as they are, with the ring less c, and q.c added at every live slot."""
+    (`row_centre`) are multiplied as they are and q.c added to their products inside the kernel (the
+    ring's keys are whole)."""
     positions, seen = _slots(positions, seen)
-    centre = row_centre(recent_keys).unsqueeze(-2)  # [b, h, 1, d]
-    rotated, ring = (codec.rotate(t).contiguous() for t in (query, recent_keys.float() - centre))  # q.k = (qM).(kM)
-    scores = torch.ops.sparsegen.kv_scores(rotated, keys, ring, positions, seen, codec.bits, codec.group, SINKS)
-    shift = (query.float() * centre).sum(-1, keepdim=True)  # [b, h, g, 1]: q.c, the same for every key of a row's head
-    return scores + torch.where(positions.unsqueeze(2) >= 0, shift, 0.0)
+    # q.c [b, h, g], one per query and head (a product and a sum: as a matmul, the step recompiled as rows varied)
+    shift = (query.float() * row_centre(recent_keys).unsqueeze(-2)).sum(-1)
+    rotated, ring = (codec.rotate(t).contiguous() for t in (query, recent_keys.float()))  # q.k = (qM).(kM)
+    return torch.ops.sparsegen.kv_scores(
+        rotated, keys, ring, positions, seen, shift.contiguous(), codec.bits, codec.group, SINKS
+    )
 
 
 def held_mix(probs, values, codec: KVCodec, positions, seen, recent_values) -> torch.Tensor:
