@@ -1,8 +1,10 @@
-"""Time the GGUF block kernel (`sparsegen::gguf_linear`) per format on the two models' shapes at 1, 8
-and 128 input rows: microseconds a call, GB/s of blocks read, and GOP/s (2 x rows x out x in).
-Random blocks (tests/test_gguf_blocks.py's generator); nothing else should run meanwhile.
+"""Time the GGUF block kernels per format on the two models' shapes, in the file's order
+(`sparsegen::gguf_linear`) and as panels (`gguf_panel_linear`, the formats a load repacks), at 1, 8,
+128 and 2,048 input rows (a prompt read's GEMM): milliseconds a call, GB/s of blocks read, and GOP/s
+(2 x rows x out x in). Random blocks (tests/test_gguf_blocks.py's generator); nothing else should run
+meanwhile. For an A/B of two checkouts run it with each one's `src` first on PYTHONPATH, in turn.
 
-Usage: python scripts/gguf_dot_timing.py [THREADS]
+Usage: python scripts/gguf_dot_timing.py [THREADS] [ROWS,...]
 """
 
 import sys
@@ -21,31 +23,38 @@ SHAPES = {"smollm2 up": (1536, 576), "smollm2 down": (576, 1536), "qwen up": (89
 FORMATS = ("Q4_1", "Q4_K", "Q6_K", "Q8_0")
 
 
-def seconds_per_call(call, repeats: int) -> float:
-    for _ in range(10):
+def seconds_per_call(call, budget_s: float = 1.0) -> float:
+    """The median of as many calls as fit `budget_s` (at least 5), after two warm-up calls."""
+    call(), call()
+    times: list[float] = []
+    while len(times) < 5 or sum(times) < budget_s:
+        started = time.perf_counter()
         call()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - started) / repeats
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())
+    row_counts = [int(n) for n in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8, 128, 2048]
     assert gguf_blocks.kernels_ready(), "the GGUF block kernels could not be built"
-    print("| shape | format | rows | us a call | GB/s of blocks | GOP/s |\n|---|---|---|---|---|---|")
+    print("| shape | format | order | rows | ms a call | GB/s of blocks | GOP/s |\n|---|---|---|---|---|---|---|")
     for name, (out, inputs) in SHAPES.items():
         for format_name in FORMATS:
             qtype = GGMLQuantizationType[format_name]
             if inputs % 256 and format_name.endswith("_K"):
                 continue
             blocks = torch.from_numpy(random_blocks(qtype, out, inputs))
-            for rows in (1, 8, 128):
-                x = torch.randn(rows, inputs)
-                args = (x, blocks, int(qtype), inputs)
-                s = seconds_per_call(lambda args=args: torch.ops.sparsegen.gguf_linear(*args), 50 if rows > 8 else 200)
-                rate, gops = blocks.numel() / s / 1e9, 2 * rows * out * inputs / s / 1e9
-                print(f"| {name} | {format_name} | {rows} | {s * 1e6:.0f} | {rate:.1f} | {gops:.1f} |")
+            orders = {"file": (torch.ops.sparsegen.gguf_linear, blocks)}
+            if qtype in gguf_blocks.PANEL_TYPES:
+                panels = torch.ops.sparsegen.gguf_panels(blocks, int(qtype), inputs, False)
+                orders["panels"] = (torch.ops.sparsegen.gguf_panel_linear, panels)
+            for order, (op, held) in orders.items():
+                for rows in row_counts:
+                    args = (torch.randn(rows, inputs), held, int(qtype), inputs)
+                    s = seconds_per_call(lambda op=op, args=args: op(*args))
+                    rate, gops = blocks.numel() / s / 1e9, 2 * rows * out * inputs / s / 1e9
+                    print(f"| {name} | {format_name} | {order} | {rows} | {s * 1e3:.3f} | {rate:.1f} | {gops:.1f} |")
 
 
 if __name__ == "__main__":

@@ -99,6 +99,34 @@ def test_panels_hold_the_same_bytes_and_their_product_equals_the_decoded_weight_
     assert torch.equal(layer.weight(), torch.from_numpy(weight.astype(np.float32)))
 
 
+SCALE_BYTES = {  # where a block keeps its fp16 d (and dmin / m): the bytes left sane below
+    GGMLQuantizationType.Q4_0: slice(0, 2),
+    GGMLQuantizationType.Q4_1: slice(0, 4),
+    GGMLQuantizationType.Q4_K: slice(0, 4),
+    GGMLQuantizationType.Q6_K: slice(208, 210),
+}
+
+
+@pytest.mark.parametrize("qtype", gguf_blocks.PANEL_TYPES, ids=lambda t: t.name)
+def test_panels_at_the_largest_codes_and_inputs_lose_nothing_to_narrow_sums(qtype):
+    """Every code and sub-block scale at its largest (all bits set) against inputs whose rounded
+    codes are all +-127: the products' partial sums at their widest (the AVX2 path adds them in int16)."""
+    out, inputs = 16, 512
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = np.full((out, inputs // per_block, block_bytes), 255, np.uint8)
+    sane = random_blocks(qtype, out, inputs, seed=5).reshape(blocks.shape)
+    blocks[..., SCALE_BYTES[qtype]] = sane[..., SCALE_BYTES[qtype]]
+    blocks = torch.from_numpy(blocks.reshape(out, -1))
+    x = torch.stack([torch.ones(inputs), -torch.ones(inputs), torch.randn(inputs).sign()])
+    panels = torch.ops.sparsegen.gguf_panels(blocks, int(qtype), inputs, False)
+    weight = dequantize(blocks.numpy(), qtype).reshape(out, inputs).astype(np.float64)
+    rounded = rounded_reference(x.numpy(), qtype)
+    assert np.abs(np.rint(rounded / np.abs(rounded).max(1, keepdims=True) * 127)).min() == 127
+    expected, bound = rounded @ weight.T, np.abs(rounded) @ np.abs(weight).T
+    got = torch.ops.sparsegen.gguf_panel_linear(x, panels, int(qtype), inputs).numpy()
+    assert np.all(np.abs(got - expected) <= 2e-6 * bound), np.abs(got - expected).max()
+
+
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
 def test_many_rows_in_several_groups_and_each_row_as_alone(qtype):
     """Rows past one L2 group (2048 inputs: 128 rows a group), and each row's bits the same alone."""

@@ -9,7 +9,8 @@
 //   [8 fp16 d][8 fp16 m, Q4_1 only][codes: 4 groups of 32 bytes]
 // Group g holds row r's nibble bytes 4g..4g+3 at bytes 4r..4r+3: low nibbles are the row's
 // inputs 4g..4g+3, high nibbles inputs 16+4g..16+4g+3 (the file's byte j: input j low, j + 16 high).
-// So four input codes broadcast to every lane meet eight rows' four codes in one vpdpbusd.
+// So four input codes broadcast to every lane meet eight rows' four codes in one vpdpbusd
+// (or vpmaddubsw).
 //
 // Included by gguf_dot.cpp after gguf_blocks.h (its namespace and pieces: Rounded, load32, sum-free).
 #pragma once
@@ -21,14 +22,31 @@ inline bool panel_format(int64_t format) {
 }
 
 #ifdef SPARSEGEN_AVX2
-// Unsigned codes times signed input bytes, four products a lane summed into acc (exact in int32).
-inline __m256i dot_quads(__m256i acc, __m256i u, __m256i a) {
+// Sums of unsigned codes times signed input bytes, four products a lane. With VNNI one vpdpbusd adds
+// them into int32 lanes. Without it, vpmaddubsw's int16 pair sums are added as they are and widened
+// once, by the vpmaddwd that multiplies them by their scale: one multiply a step instead of two (and
+// no vpmulld), the prompt GEMM's bound on AVX2 CPUs. int16 holds kCodeSums4 steps of 4-bit codes
+// (8 * 2 * 15 * 128 = 30,720 < 2^15) and kCodeSums6 of 6-bit ones (2 * 2 * 63 * 128 = 32,256).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, a);
+constexpr int kCodeSums4 = 1 << 30, kCodeSums6 = 1 << 30;
+inline __m256i add_codes(__m256i sums, __m256i u, __m256i a) { return _mm256_dpbusd_epi32(sums, u, a); }
+inline __m256i scale_lanes(__m256i scale) { return scale; }
+inline __m256i scaled_sums(__m256i sums, __m256i scale) { return _mm256_mullo_epi32(sums, scale); }
+inline __m256i joined_sums(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
-#endif
+constexpr int kCodeSums4 = 8, kCodeSums6 = 2;
+inline __m256i add_codes(__m256i sums, __m256i u, __m256i a) {
+  return _mm256_add_epi16(sums, _mm256_maddubs_epi16(u, a));
 }
+// An int32 scale a lane (|scale| < 2^15) as the int16 pair vpmaddwd multiplies both halves by.
+inline __m256i scale_lanes(__m256i scale) {
+  return _mm256_or_si256(_mm256_and_si256(scale, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(scale, 16));
+}
+inline __m256i scaled_sums(__m256i sums, __m256i pairs) { return _mm256_madd_epi16(sums, pairs); }
+inline __m256i joined_sums(__m256i a, __m256i b) {
+  return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
+}
+#endif
 
 inline __m256i quad_of(const int8_t* a) {
   int32_t four;
@@ -141,8 +159,8 @@ void panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0
       const __m256i lo = _mm256_and_si256(q, fifteen), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), fifteen);
       for (int k = 0; k < kRows; ++k) {
         const int8_t* a = r.codes.data() + ((row0 + k) * blocks + b) * 32;
-        low[k] = dot_quads(low[k], lo, quad_of(a + 4 * g));
-        high[k] = dot_quads(high[k], hi, quad_of(a + 16 + 4 * g));
+        low[k] = add_codes(low[k], lo, quad_of(a + 4 * g));
+        high[k] = add_codes(high[k], hi, quad_of(a + 16 + 4 * g));
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -150,7 +168,7 @@ void panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0
                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
     for (int k = 0; k < kRows; ++k) {
       const int64_t at = (row0 + k) * blocks + b;
-      const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(low[k], high[k]));
+      const __m256 dots = _mm256_cvtepi32_ps(joined_sums(low[k], high[k]));
       scaled[k] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(r.step[at])), scaled[k]);
       offset[k] = _mm256_fmadd_ps(m, _mm256_set1_ps(r.step_sum[at]), offset[k]);
     }

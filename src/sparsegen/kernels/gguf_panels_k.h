@@ -10,7 +10,7 @@
 // The file's nibble byte q (chunk c = q / 32, l = q % 32) holds input 64c + l low and 64c + 32 + l
 // high, so group g = 8c + t carries inputs 64c + 4t.. (sub-block 2c) and 64c + 32 + 4t.. (2c + 1).
 //
-// Included by gguf_panels.h (its pieces: kPanel, dot_quads, quad_of; gguf_blocks.h's Rounded, load32).
+// Included by gguf_panels.h (its pieces: kPanel, add_codes, scaled_sums, quad_of; gguf_blocks.h's Rounded, load32).
 #pragma once
 
 inline int64_t q4_k_panel_byte(int64_t r, int64_t j) {
@@ -22,7 +22,7 @@ inline int64_t q4_k_panel_byte(int64_t r, int64_t j) {
 }
 
 #ifdef SPARSEGEN_AVX2
-// The eight rows' sub-block scales (int32 a row) and minimums (int16, twice a row: a vpmaddwd
+// The eight rows' sub-block scales (scale_lanes' form) and minimums (int16, twice a row: a vpmaddwd
 // against two sums of 16 inputs gives minimum * the sub-block's input sum).
 struct PanelScales {
   __m256i scale[8], minimum[8];
@@ -42,7 +42,7 @@ inline PanelScales q4_k_panel_scales(const uint8_t* planes) {
   for (int j = 0; j < 8; ++j) {
     const uint64_t scale = j < 4 ? p[j] & kLow6 : (p[j + 4] & kLow4) | ((p[j - 4] >> 2) & kTop);
     const uint64_t minimum = j < 4 ? p[j + 4] & kLow6 : ((p[j + 4] >> 4) & kLow4) | ((p[j] >> 2) & kTop);
-    s.scale[j] = widen_bytes(scale);
+    s.scale[j] = scale_lanes(widen_bytes(scale));
     const __m256i m = widen_bytes(minimum);
     s.minimum[j] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
   }
@@ -66,6 +66,7 @@ inline __m256i pair_products(const __m256i* pairs, const int16_t* sums) {
 template <int kRows>
 void q4_k_panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, float* result) {
   constexpr int64_t kBytes = kPanel * 144;
+  static_assert(kCodeSums4 >= 8, "a sub-block's eight steps must fit the code sums");
   __m256 acc[kRows];
   for (int k = 0; k < kRows; ++k) acc[k] = _mm256_setzero_ps();
   const __m256i fifteen = _mm256_set1_epi8(15);
@@ -81,13 +82,13 @@ void q4_k_panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t
         const __m256i lo = _mm256_and_si256(q, fifteen), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), fifteen);
         for (int k = 0; k < kRows; ++k) {
           const int8_t* a = r.codes.data() + ((row0 + k) * blocks + b) * 256 + 64 * c + 4 * t;
-          low[k] = dot_quads(low[k], lo, quad_of(a));
-          high[k] = dot_quads(high[k], hi, quad_of(a + 32));
+          low[k] = add_codes(low[k], lo, quad_of(a));
+          high[k] = add_codes(high[k], hi, quad_of(a + 32));
         }
       }
       for (int k = 0; k < kRows; ++k) {
-        const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(low[k], s.scale[2 * c]),
-                                              _mm256_mullo_epi32(high[k], s.scale[2 * c + 1]));
+        const __m256i both =
+            _mm256_add_epi32(scaled_sums(low[k], s.scale[2 * c]), scaled_sums(high[k], s.scale[2 * c + 1]));
         scaled[k] = _mm256_add_epi32(scaled[k], both);
       }
     }

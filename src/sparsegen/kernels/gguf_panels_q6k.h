@@ -12,8 +12,8 @@
 // and 128n + 96 + l; qh byte 32n + l holds the top two bits of 128n + l, + 32, + 64, + 96 in its
 // bit pairs 0-1, 2-3, 4-5, 6-7. Each sixteen inputs share a scale; a code is the six bits - 32.
 //
-// Included by gguf_panels.h after gguf_panels_k.h (its pieces: kPanel, dot_quads, quad_of, pair_products;
-// gguf_blocks.h's Rounded, load32).
+// Included by gguf_panels.h after gguf_panels_k.h (its pieces: kPanel, add_codes, scale_lanes,
+// scaled_sums, kCodeSums6, quad_of, pair_products; gguf_blocks.h's Rounded, load32).
 #pragma once
 
 constexpr int64_t kQ6Scales = 16, kQ6Steps = 144;  // panel offsets: the scale planes, the steps of codes
@@ -58,24 +58,27 @@ void q6_k_panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t
     for (int i = 0; i < 8; ++i)
       pairs[i] = _mm256_or_si256(_mm256_and_si256(scale[2 * i], _mm256_set1_epi32(0xffff)),
                                  _mm256_slli_epi32(scale[2 * i + 1], 16));
+    for (int s = 0; s < 16; ++s) scale[s] = scale_lanes(scale[s]);
     __m256i scaled[kRows];
     for (int k = 0; k < kRows; ++k) scaled[k] = _mm256_setzero_si256();
+    // t < 4: scales 8n + 2q; t >= 4: 8n + 2q + 1; the code sums widened every kSteps steps
+    constexpr int kSteps = kCodeSums6 < 4 ? kCodeSums6 : 4;
     for (int n = 0; n < 2; ++n)
-      for (int half = 0; half < 2; ++half) {  // t < 4: scales 8n + 2q; t >= 4: 8n + 2q + 1
+      for (int t0 = 0; t0 < 8; t0 += kSteps) {
         __m256i part[kRows][4];
         for (int k = 0; k < kRows; ++k)
           for (int q = 0; q < 4; ++q) part[k][q] = _mm256_setzero_si256();
-        for (int t = 4 * half; t < 4 * half + 4; ++t) {
+        for (int t = t0; t < t0 + kSteps; ++t) {
           __m256i u[4];
           q6_k_codes(p, n, t, u);
           for (int k = 0; k < kRows; ++k) {
             const int8_t* a = r.codes.data() + ((row0 + k) * blocks + b) * 256 + 128 * n + 4 * t;
-            for (int q = 0; q < 4; ++q) part[k][q] = dot_quads(part[k][q], u[q], quad_of(a + 32 * q));
+            for (int q = 0; q < 4; ++q) part[k][q] = add_codes(part[k][q], u[q], quad_of(a + 32 * q));
           }
         }
         for (int k = 0; k < kRows; ++k)
           for (int q = 0; q < 4; ++q)
-            scaled[k] = _mm256_add_epi32(scaled[k], _mm256_mullo_epi32(part[k][q], scale[8 * n + 2 * q + half]));
+            scaled[k] = _mm256_add_epi32(scaled[k], scaled_sums(part[k][q], scale[8 * n + 2 * q + t0 / 4]));
       }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     for (int k = 0; k < kRows; ++k) {
