@@ -148,6 +148,7 @@ void decode_panels(const uint8_t* w, int64_t format, int64_t in, int64_t out_fea
 template <int64_t F, int kRows>
 void panel_rows(const uint8_t* p, int64_t blocks, const Rounded& r, int64_t row0, float* result) {
   constexpr int64_t kBytes = kPanel * (F == kQ4_1 ? 20 : 18), kCodes = F == kQ4_1 ? 32 : 16;
+  static_assert(kCodeSums4 >= 8, "a block's low and high four steps, joined, must fit the code sums");
   __m256 scaled[kRows], offset[kRows];
   for (int k = 0; k < kRows; ++k) scaled[k] = offset[k] = _mm256_setzero_ps();
   const __m256i fifteen = _mm256_set1_epi8(15);
