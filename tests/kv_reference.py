@@ -232,7 +232,7 @@ TABLE: dict[str, Row] = {
     "keydiff": Row(
         {"heavy": 5},
         {"heavy": 500},
-        lambda s, h, r: {"heavy": h + r},
+        lambda s, h, r: {"heavy": h + r + 1},  # keeping 1 of 2 keys is a tie: each is as far from their mean
         Ref(lambda pos, score, key, cache: score, _keydiff_scores, True),
     ),
     "pyramidkv": Row(  # one layer here: SnapKV's choice (the layer budgets are tested on models)

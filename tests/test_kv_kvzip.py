@@ -15,11 +15,10 @@ from tests.conftest import ARCHS, build_tiny
 from tests.kv_reference import generate_drop_in
 
 
-def _reference_kept(model, ids: list[int], sinks: int, heavy: int, chunk: int, cue: int) -> dict[int, list[list[int]]]:
-    """Per full-attention layer, the positions each KV head keeps: every chunk re-read after the
-    context in one dense eager forward; a token scores the most attention any query of its group
-    gave it while its chunk was re-read; the layer keeps its heads' best `sinks + heavy` per head
-    together, the first `sinks` always."""
+def _reference_scores(model, ids: list[int], chunk: int, cue: int) -> dict[int, torch.Tensor]:
+    """Per full-attention layer, float64 [h, n]: every chunk re-read after the context in one dense
+    eager forward; a token scores the most attention any query of its group gave it while its
+    chunk was re-read."""
     config = model.config.get_text_config(decoder=True)
     n, group = len(ids), config.num_attention_heads // config.num_key_value_heads
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
@@ -33,28 +32,60 @@ def _reference_kept(model, ids: list[int], sinks: int, heavy: int, chunk: int, c
             seen = weights[layer][0, :, n:, start:stop].double()  # [hq, re-read queries, chunk keys]
             grouped = seen.reshape(config.num_key_value_heads, group * seen.shape[1], stop - start)
             scores[layer][:, start:stop] = grouped.amax(1)
+    return {layer: score for layer, score in scores.items() if types[layer] == "full_attention"}
+
+
+def _heavy_per_layer(scores: dict[int, torch.Tensor], sinks: int, heavy: int, pool: str) -> dict[int, int]:
+    """Tokens per head each layer keeps by score: `heavy` everywhere, or (one model-wide pool) the
+    layer's count among the model's best `heavy * h * layers` non-sink slots over h, rounded to
+    whole tokens by largest remainders."""
+    if pool == "layer":
+        return dict.fromkeys(scores, heavy)
+    heads = len(next(iter(scores.values())))
+    slots = [
+        (float(score[h, p]), layer)
+        for layer, score in scores.items()
+        for h in range(heads)
+        for p in range(sinks, score.shape[1])
+    ]
+    best = sorted(slots, reverse=True)[: heavy * heads * len(scores)]
+    shares = {layer: sum(1 for _, at in best if at == layer) / heads for layer in scores}
+    counts = {layer: int(share) for layer, share in shares.items()}
+    by_remainder = sorted(scores, key=lambda layer: shares[layer] - counts[layer], reverse=True)
+    for layer in by_remainder[: heavy * len(scores) - sum(counts.values())]:
+        counts[layer] += 1
+    return counts
+
+
+def _reference_kept(model, ids: list[int], sinks: int, heavy: int, chunk: int, cue: int, pool: str):
+    """Per full-attention layer, the positions each KV head keeps: the layer's heads' best
+    `sinks + heavy` per head together (its heavy count from `_heavy_per_layer`), the first `sinks`
+    always."""
+    scores = _reference_scores(model, ids, chunk, cue)
+    counts = _heavy_per_layer(scores, sinks, heavy, pool)
     kept = {}
     for layer, score in scores.items():
-        if types[layer] != "full_attention":
-            continue
-        slots = [(h, pos) for h in range(len(score)) for pos in range(n)]
+        slots = [(h, pos) for h in range(len(score)) for pos in range(len(ids))]
         ranked = sorted(((float("inf") if p < sinks else float(score[h, p]), h, p) for h, p in slots), reverse=True)
-        ranked = ranked[: (sinks + heavy) * len(score)]
+        ranked = ranked[: (sinks + counts[layer]) * len(score)]
         kept[layer] = [sorted(pos for _, head, pos in ranked if head == h) for h in range(len(score))]
     return kept
 
 
+@pytest.mark.parametrize("pool", ("model", "layer"))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_kept_sets_equal_the_brute_force_reconstruction(arch):
+def test_kept_sets_equal_the_brute_force_reconstruction(arch, pool):
     model = build_tiny(arch, "eager")
     ids = torch.randint(3, 96, (37,), generator=torch.Generator().manual_seed(7)).tolist()
     for chunk, cue in ((64, 8), (16, 3)):  # one re-read, and three chunks with cues
-        cache = make_cache(model, KVSpec.of("kvzip", sinks=2, heavy=9, chunk=chunk, cue=cue))
+        cache = make_cache(model, KVSpec.of("kvzip", sinks=2, heavy=9, chunk=chunk, cue=cue, pool=pool))
         read(model, ids, cache)
-        expected = _reference_kept(model, ids, 2, 9, chunk, cue)
+        expected = _reference_kept(model, ids, 2, 9, chunk, cue, pool)
+        held = [sum(map(len, layer.kept_positions()[0])) for layer in cache.policy_layers()]
         for layer in cache.policy_layers():
             assert layer.kept_positions()[0] == expected[layer.layer_idx], (arch, chunk, layer.layer_idx)
-            assert sum(map(len, layer.kept_positions()[0])) == 11 * layer.kv_heads
+        assert sum(held) == 11 * cache.policy_layers()[0].kv_heads * len(held)  # the budget's total, however pooled
+        assert (len(set(held)) == 1) == (pool == "layer") or len(held) == 1, held
 
 
 def test_the_fast_path_equals_the_drop_in_cache_after_read_and_rows_equal_single_runs():
@@ -133,3 +164,18 @@ def test_the_one_pass_reread_attends_as_sdpa_and_scores_as_attention_received(gr
     probabilities = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # float64, by hand
     most = probabilities.view(2, 2, group, 300, 700).amax(dim=(2, 3))  # over the group's heads and queries
     torch.testing.assert_close(peak, most.float(), rtol=1e-5, atol=1e-7)
+
+
+def test_rows_that_keep_different_counts_hold_their_own_slots_and_free_ones():
+    from sparsegen.kv import ragged
+    from sparsegen.kv.store import EMPTY
+
+    priority = torch.tensor([[[5.0, 1, 4], [2, 6, 0]], [[9, 8, 7], [3, 2, 1]]])  # [b=2, h=2, n=3]
+    keep = ragged.select_across_heads(priority, torch.tensor([2, 1]).view(2, 1, 1))
+    assert keep.tolist() == [[[True, False, True], [True, True, False]], [[True, True, False], [False] * 3]]
+    positions = torch.arange(3).expand(2, 2, 3)
+    packed = ragged.pack({"positions": positions, "scores": priority}, keep)
+    assert packed["positions"][:, 0].tolist() == [[0, 2, 0, 1], [0, 1, EMPTY, EMPTY]]
+    assert packed["scores"][0, 0, :4].tolist() == [5, 4, 2, 6] and packed["scores"][1, 0, :2].tolist() == [9, 8]
+    assert packed["head_of"][:, 0].tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]  # free slots tagged by heads in turn
+    assert ragged.per_head(packed["head_of"], packed["positions"], 2) == [[[0, 2], [0, 1]], [[0, 1], []]]

@@ -158,9 +158,13 @@ def _buffers(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bound
 
 
 def _row_sizes(parts: list[HeldSlots], device: torch.device) -> Sizes:
-    """Each row's sizes, as [rows, 1, 1] tensors."""
-    budgets = [part.sizes for part in parts for _ in range(part.keys.shape[0])]
-    return Sizes(*(torch.tensor([getattr(s, f) for s in budgets], device=device).view(-1, 1, 1) for f in PARTS))
+    """Each row's sizes, as [rows, 1, 1] tensors (a part's counts per row where it has them)."""
+
+    def rows_of(part: HeldSlots, field: str) -> torch.Tensor:
+        count = torch.as_tensor(getattr(part.sizes, field), dtype=torch.long, device=device)
+        return count.reshape(-1).expand(part.keys.shape[0])
+
+    return Sizes(*(torch.cat([rows_of(part, f) for part in parts]).view(-1, 1, 1) for f in PARTS))
 
 
 def stack(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bounded: bool = True) -> LayerState:

@@ -85,7 +85,10 @@ class SharedPrefill:
     @torch.inference_mode()
     def replay_into(self, cache: PolicyCache) -> None:
         """Let the fresh `cache` hold what reading the context into it would."""
-        peaks = self._reconstruction(cache.policy) if cache.policy.reconstructs else [None] * len(cache.layers)
+        peaks = [None] * len(cache.layers)
+        if cache.policy.reconstructs:
+            peaks = self._reconstruction(cache.policy)
+            cache.pool_layers(self.length, peaks)
         for layer, source, peak in zip(cache.layers, self.record.layers, peaks, strict=True):
             if isinstance(layer, PolicyLayer):
                 call = source.recorded

@@ -96,7 +96,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.sizes is None and self.cumulative_length + n > self.pinned:
-            self.sizes = self._resolve_sizes(self.cumulative_length + n - self.pinned)
+            self.sizes = self.resolve_sizes(self.cumulative_length + n)
         new_positions = torch.arange(self.cumulative_length, self.cumulative_length + n, device=self.device)
         new_positions = new_positions.expand(*key_states.shape[:2], n)
         self.store.remember(key_states, value_states, new_positions)
@@ -125,9 +125,10 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             held[:, :, self.size - new.shape[2] :] = new
         return held
 
-    def _resolve_sizes(self, prompt_length: int) -> Sizes | None:
-        """The policy's budget for this layer and the first prompt after the pinned prefix, which
-        comes on top (kept as sinks)."""
+    def resolve_sizes(self, held: int) -> Sizes | None:
+        """The policy's budget for this layer once its first prompt is read (`held` tokens with the
+        pinned prefix, which comes on top, kept as sinks)."""
+        prompt_length = held - self.pinned
         sizes = self.policy.sizes(prompt_length)
         if sizes is not None:
             sizes = self.policy.layer_sizes(sizes, prompt_length, self.layer_idx or 0, self.layers)
@@ -227,7 +228,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             if self.compressed:  # keeps every new token: grow by a sixteenth, to stay near what it holds
                 grown = size + n + room_for(size + n)
             else:
-                limit = self.sizes.budget + 1 if self.sizes is not None else float("inf")
+                limit = self.sizes.largest + 1 if self.sizes is not None else float("inf")
                 grown = int(max(size + n, min(limit, max(2 * self.capacity, 64))))
             self.store.grow(grown)
         self.store.write(size, key_states, value_states, new_positions)
@@ -276,7 +277,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             return
         if self.policy.prefill_only:
             self.compressed = True
-        if self.size <= self.sizes.budget:
+        if self.size <= self.sizes.largest:
             return
         priority = priorities(self.policy, step, self.pinned)
         budget = self.sizes.budget

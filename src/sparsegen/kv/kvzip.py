@@ -2,9 +2,11 @@
 Reconstruction"): a context token matters if the model needs it to reproduce the context. Once the
 prompt is read, the model re-reads it after itself (teacher-forced, in chunks, the cache left
 whole), and each held token scores the most attention any query of its group paid it while its
-chunk was re-read. The layer keeps the highest scores of all its heads together (a head-adaptive
-pool, held in exactly the budget's bytes), the first `sinks` tokens always. Decoding then keeps
-every new token. The score does not depend on any question, so one compressed context answers many.
+chunk was re-read. The model keeps the highest scores of all its layers' heads together (one
+pool: a layer the context matters little to gives its slots to one it matters to, as in the
+paper), each layer holding its share in exactly its bytes (heads flat), the first `sinks` tokens
+always. Decoding then keeps every new token. The score does not depend on any question, so one
+compressed context answers many.
 
 The re-reading is one more pass over the context, each chunk attending over the context and its
 copy. Running it is decode's work (`decode.kvzip_read.reconstruct`): `decode.reading.read` runs it
@@ -13,7 +15,7 @@ every budget; this module scores with what it found. Choices beside kvpress's
 press: the chunks are re-read without an instruction text ("Repeat the previous context
 exactly."), so no tokenizer is needed and base models work too; the attention is the model's own
 (softmax over the whole cache), where kvpress renormalises it over the sinks, the chunk and its
-copy; the pool is per layer (kvpress's `layerwise=True` budget split).
+copy. `pool="layer"` keeps each layer's budget as it is (kvpress's `layerwise=True`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.policy import KEEP, Policy, attention_chunks, register_policy
+from sparsegen.kv.policy import KEEP, Policy, Sizes, attention_chunks, register_policy
+
+POOLS = ("model", "layer")
 
 
 @register_policy
@@ -44,11 +48,16 @@ class KVzipPolicy(Policy):
     """Context tokens re-read per forward (bounds the re-reading's attention memory)."""
     cue: int = 8
     """Tokens of the previous chunk re-read before each later chunk, so its copy starts in place."""
+    pool: str = "model"
+    """"model": every layer's heavy slots in one pool, the highest peaks of the whole model;
+    "layer": each layer keeps the budget's count per head, its heads pooled."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.chunk < 1 or self.cue < 0:
             raise SparsegenError(f"kvzip needs chunk >= 1 and cue >= 0, got chunk={self.chunk}, cue={self.cue}")
+        if self.pool not in POOLS:
+            raise SparsegenError(f"kvzip's pool is one of {', '.join(POOLS)}, got {self.pool!r}")
 
     def probes(self, length: int) -> list[tuple[int, int, int]]:
         """How a `length`-token context is re-read: (first token read, first scored, end) per chunk."""
@@ -68,6 +77,33 @@ class KVzipPolicy(Policy):
 
     def priority(self, step):
         return step.scores.masked_fill(step.is_sink(), KEEP)
+
+    def pooled_sizes(self, sizes: list[Sizes], scores: list[torch.Tensor]) -> list[Sizes]:
+        return model_pool(sizes, scores) if self.pool == "model" else sizes
+
+
+def model_pool(sizes: list[Sizes], scores: list[torch.Tensor]) -> list[Sizes]:
+    """The layers' heavy counts when their heavy slots are one pool: the highest of every layer's
+    scores [b, h, n] past its sinks, counted per layer and row and rounded to whole tokens per head
+    by largest remainders, each row's total unchanged (ints where the rows agree, else one count
+    per row, [b, 1, 1])."""
+    heads = scores[0].shape[1]
+    if any(score.shape[1] != heads for score in scores):
+        raise SparsegenError("kvzip's model-wide pool needs every layer to hold as many KV heads")
+    free = [score[..., size.sinks :].flatten(1) for size, score in zip(sizes, scores, strict=True)]
+    pool = torch.cat(free, dim=1)
+    rows, layers = pool.shape[0], len(free)
+    chosen = pool.topk(min(sum(size.heavy for size in sizes) * heads, pool.shape[1]), dim=1).indices
+    ends = torch.tensor([part.shape[1] for part in free], device=pool.device).cumsum(0)
+    layer_of = torch.bucketize(chosen, ends, right=True) + layers * torch.arange(rows, device=pool.device)[:, None]
+    shares = torch.bincount(layer_of.flatten(), minlength=rows * layers).view(rows, layers).double() / heads
+    heavy = shares.floor().long()
+    short = (shares.sum(1).round().long() - heavy.sum(1)).unsqueeze(1)  # [b, 1]
+    by_remainder = (shares - heavy).argsort(dim=1, descending=True, stable=True)
+    heavy.scatter_add_(1, by_remainder, (torch.arange(layers, device=pool.device) < short).long())
+    same = bool((heavy == heavy[0]).all())
+    counts = heavy[0].tolist() if same else heavy.T.reshape(layers, rows, 1, 1)
+    return [Sizes(size.sinks, count, size.recent) for size, count in zip(sizes, counts, strict=True)]
 
 
 def attention_and_peaks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):

@@ -44,6 +44,12 @@ class Sizes:
     def budget(self) -> int | torch.Tensor:
         return self.sinks + self.heavy + self.recent
 
+    @property
+    def largest(self) -> int:
+        """The largest row's budget (the budget where rows share it)."""
+        budget = self.budget
+        return int(budget.max()) if isinstance(budget, torch.Tensor) else budget
+
 
 @dataclass
 class Step:
@@ -231,6 +237,12 @@ class Policy(ABC):
     def layer_sizes(self, sizes: Sizes, prompt_length: int, layer: int, layers: int) -> Sizes:
         """The budget of layer `layer` of `layers` (PyramidKV's shrink with depth); the same
         `sizes` in every layer by default."""
+        return sizes
+
+    def pooled_sizes(self, sizes: list[Sizes], scores: list[torch.Tensor]) -> list[Sizes]:
+        """Every layer's budget at once, from every layer's scores of the prompt ([b, h, n] each),
+        for a policy that scores the whole prompt before any layer evicts (`reconstructs`) and may
+        share one budget among the layers (KVzip); each layer's own `sizes` by default."""
         return sizes
 
     def score(self, step: Step) -> torch.Tensor | None:

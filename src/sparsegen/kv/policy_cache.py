@@ -3,6 +3,7 @@ sliding-window layers beside them (Gemma 3); held sizes, bytes, and checkpoints.
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparsegen.errors import SparsegenError
@@ -45,6 +46,18 @@ class PolicyCache(Cache):
 
     def policy_layers(self) -> list[PolicyLayer]:
         return [layer for layer in self.layers if isinstance(layer, PolicyLayer)]
+
+    def pool_layers(self, held: int, scores: list[torch.Tensor | None]) -> None:
+        """Fix each policy layer's budget before a prompt that leaves `held` tokens is replayed into
+        this fresh cache, from every layer's scores of it at once (`scores`: one per layer, None
+        where a layer has no policy), as the policy pools them (`Policy.pooled_sizes`)."""
+        layers = self.policy_layers()
+        own = [layer.resolve_sizes(held) for layer in layers]
+        if any(sizes is None for sizes in own):
+            return
+        scored = [score for layer, score in zip(self.layers, scores, strict=True) if isinstance(layer, PolicyLayer)]
+        for layer, sizes in zip(layers, self.policy.pooled_sizes(own, scored), strict=True):
+            layer.sizes = sizes
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values physically held (all layers)."""

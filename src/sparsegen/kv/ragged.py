@@ -2,9 +2,10 @@
 
 When heads keep different numbers of tokens (AdaKV, DuoAttention), a [b, h, n, d] buffer would
 hold the largest head's count for every head. Instead the layer flattens its heads: keys and
-values are [b, 1, T, d] with a head tag per slot, T the layer's total budget (every row keeps the
-same total, so rows stack). Each query attends to the slots of its own KV head, under a mask:
-attention reads T slots per query instead of T / h, for memory that is the budget's and no more.
+values are [b, 1, T, d] with a head tag per slot, T the layer's total budget (the largest row's,
+where rows keep different totals: the others hold free slots, so rows stack). Each query attends
+to the slots of its own KV head, under a mask: attention reads T slots per query instead of T / h,
+for memory that is the budget's and no more.
 Head-adaptive policies compress the prompt once (prefill-only); later tokens are appended h at a
 time, one slot per head.
 """
@@ -14,29 +15,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sparsegen.kv.store import EMPTY
 
-def select_across_heads(priority: torch.Tensor, per_head: int) -> torch.Tensor:
-    """Which slots a layer keeps when its heads share `per_head * h` slots: the highest
-    priorities of the whole layer, per row. priority [b, h, n] -> bool [b, h, n]."""
+
+def select_across_heads(priority: torch.Tensor, per_head: int | torch.Tensor) -> torch.Tensor:
+    """Which slots a layer keeps when its heads share `per_head * h` slots (an int, or one count
+    per row [b, 1, 1]): the highest priorities of the whole layer, per row. priority [b, h, n] ->
+    bool [b, h, n]."""
     b, h, n = priority.shape
-    chosen = priority.reshape(b, h * n).topk(per_head * h, dim=-1).indices
+    most = int(per_head.max()) if isinstance(per_head, torch.Tensor) else per_head
+    chosen = priority.reshape(b, h * n).topk(most * h, dim=-1).indices
+    taken = torch.ones(b, most * h, dtype=torch.bool, device=priority.device)
+    if isinstance(per_head, torch.Tensor):
+        taken = torch.arange(most * h, device=priority.device) < per_head.view(b, 1) * h
     keep = torch.zeros(b, h * n, dtype=torch.bool, device=priority.device)
-    return keep.scatter_(1, chosen, True).view(b, h, n)
+    return keep.scatter_(1, chosen, taken).view(b, h, n)
 
 
 def pack(tensors: dict[str, torch.Tensor], keep: torch.Tensor) -> dict[str, torch.Tensor]:
     """The kept slots of per-head tensors ([b, h, n] or [b, h, n, d]) as one flat head [b, 1, T, ...],
-    plus `head_of` [b, 1, T]; every row must keep the same total T."""
+    plus `head_of` [b, 1, T]; T the most any row keeps, a row that keeps fewer holding free slots
+    after its own (position `EMPTY`, tagged by head in turn, so that a step can fill them)."""
     b, h, n = keep.shape
     flat = keep.reshape(b, h * n)
-    total = int(flat[0].sum())
-    index = flat.nonzero()[:, 1].view(b, total)  # row-major: heads in order, positions in slot order
-    packed = {"head_of": (index // n).unsqueeze(1)}
+    counts = flat.sum(1)
+    total = int(counts.max())
+    index = (~flat).to(torch.uint8).argsort(dim=1, stable=True)[:, :total]  # row-major: heads in order
+    free = torch.arange(total, device=keep.device) >= counts.unsqueeze(1)
+    head_of = torch.where(free, torch.arange(total, device=keep.device) % h, index // n)
+    packed = {"head_of": head_of.unsqueeze(1)}
     for name, tensor in tensors.items():
         rest = tensor.shape[3:]
         source = tensor.reshape(b, h * n, *rest)
         gather_index = index.view(b, total, *([1] * len(rest))).expand(b, total, *rest)
         packed[name] = source.gather(1, gather_index).unsqueeze(1)
+    if bool(free.any()):
+        packed["positions"] = packed["positions"].masked_fill(free.unsqueeze(1), EMPTY)
     return packed
 
 
@@ -106,8 +120,9 @@ def unpack(
 
 
 def per_head(head_of: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> list[list[list[int]]]:
-    """Sorted positions each (row, head) holds: [b][h] lists."""
+    """Sorted positions each (row, head) holds: [b][h] lists (free slots left out)."""
+    held = positions >= 0
     return [
-        [sorted(positions[row, 0][head_of[row, 0] == head].tolist()) for head in range(kv_heads)]
+        [sorted(positions[row, 0][(head_of[row, 0] == head) & held[row, 0]].tolist()) for head in range(kv_heads)]
         for row in range(positions.shape[0])
     ]

@@ -38,7 +38,8 @@ Expected differences, from the math of each side:
   slots behind a mask where sparsegen frees them, so only the kept sets are compared.
 - kvzip: both score a context token by the most attention its group pays it while the model
   re-reads its chunk (2048 tokens, the next chunk cued by the previous one's last 8), sinks kept,
-  one pool per layer (kvpress `layerwise=True`). kvpress puts "Repeat the previous context
+  one pool for the whole model (kvpress's default `layerwise=False`; sparsegen rounds each layer's
+  share to whole tokens per head, kvpress prunes any count). kvpress puts "Repeat the previous context
   exactly." and the chat template's turn change before each re-read chunk and takes the softmax
   over the sinks, the chunk and its copy only; sparsegen re-reads the bare tokens under the
   model's own attention over the whole cache. So the kept sets overlap without being identical,

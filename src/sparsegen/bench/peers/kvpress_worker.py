@@ -35,7 +35,7 @@ def make_press(name: str, ratio: float) -> kvpress.BasePress:
         "pyramidkv": lambda: kvpress.PyramidKVPress(compression_ratio=ratio, window_size=64, kernel_size=5, beta=20),
         "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
         "adakv": lambda: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio)),
-        "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio, layerwise=True, n_sink=4),
+        "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio, layerwise=False, n_sink=4),
     }
     if name not in builders:
         raise SystemExit(f"unknown press {name!r}; known: {', '.join(builders)}")
