@@ -141,6 +141,8 @@ def test_what_kvzip_cannot_do_is_a_one_line_error():
         read(model, ids, make_cache(model, KVSpec.of("kvzip", budget=8)), all_logits=True)
     with pytest.raises(SparsegenError, match="chunk >= 1"):
         make_policy("kvzip", chunk=0)
+    with pytest.raises(SparsegenError, match="pool is one of model, layer, got 'heads'"):
+        make_policy("kvzip", pool="heads")
     roomy = make_cache(model, KVSpec.of("kvzip", budget=64))  # nothing to evict: model.generate needs no re-reading
     assert len(generate_drop_in(model, ids, roomy, 4)) == 4
 
