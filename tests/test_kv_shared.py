@@ -71,7 +71,8 @@ def test_a_prompt_compressed_once_is_read_whole_whatever_the_chunk():
         whole, chunked = make_cache(model, policy), make_cache(model, policy)
         assert torch.equal(read(model, ids, whole), read(model, ids, chunked, chunk=8))
         _same_layers(chunked, whole)
-        assert all(layer.tokens_per_head == 12 for layer in chunked.policy_layers()), name
+        held = [layer.tokens_per_head for layer in chunked.policy_layers()]  # kvzip: one pool over the layers
+        assert sum(held) == 12 * len(held) and (name == "kvzip" or set(held) == {12}), (name, held)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
