@@ -23,12 +23,13 @@ def select_across_heads(priority: torch.Tensor, per_head: int | torch.Tensor) ->
     per row [b, 1, 1]): the highest priorities of the whole layer, per row. priority [b, h, n] ->
     bool [b, h, n]."""
     b, h, n = priority.shape
-    most = int(per_head.max()) if isinstance(per_head, torch.Tensor) else per_head
+    per_row = isinstance(per_head, torch.Tensor)
+    most = int(per_head.max()) if per_row else per_head
     chosen = priority.reshape(b, h * n).topk(most * h, dim=-1).indices
-    taken = torch.ones(b, most * h, dtype=torch.bool, device=priority.device)
-    if isinstance(per_head, torch.Tensor):
-        taken = torch.arange(most * h, device=priority.device) < per_head.view(b, 1) * h
     keep = torch.zeros(b, h * n, dtype=torch.bool, device=priority.device)
+    if not per_row:
+        return keep.scatter_(1, chosen, True).view(b, h, n)
+    taken = torch.arange(most * h, device=priority.device) < per_head.view(b, 1) * h  # each row's own count
     return keep.scatter_(1, chosen, taken).view(b, h, n)
 
 
