@@ -124,9 +124,10 @@ def long_output_prompt(tokenizer, kind: str, text: str) -> list[int]:
         return tokenizer(load_text(text), add_special_tokens=False)["input_ids"][:128]
     if kind != "code":
         raise SparsegenError(f"--prompt must be text or code, got {kind!r}")
-    if getattr(tokenizer, "chat_template", None):
+    if getattr(tokenizer, "chat_template", None):  # rendered, then tokenized: ids whatever the template call returns
         messages = [{"role": "user", "content": CODE_REQUEST}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     return tokenizer(f"# {CODE_REQUEST}\n", add_special_tokens=False)["input_ids"]
 
 
@@ -160,6 +161,7 @@ def long_output(
     from sparsegen.ioutil import write_json, write_text
     from sparsegen.loading import load
     from sparsegen.report import markdown_table, plot_lines, run_meta
+    from sparsegen.sampling import stop_tokens
 
     budget = max(1, round(share * tokens))
     settings = {"model": model_name, "prompt": prompt_kind, "tokens": tokens, "budget": budget}
@@ -175,11 +177,14 @@ def long_output(
     with tqdm(total=tokens, unit="tok", desc=f"following the full cache with {len(runs)} policies") as bar:
         written, rows = follow_full_output(model, prompt, tokens, runs, compile=compile, tick=bar.update)
     rows = [{**row, "budget": budget} for row in rows]
+    stops = stop_tokens(model, tokenizer)  # the full cache writes on past its answer's end: said where that is
     result = {
         "settings": settings,
         "meta": run_meta(prompt_tokens=len(prompt)),
         "rows": rows,
+        "first_stop_token_at": next((i for i, token in enumerate(written) if token in stops), None),
         "output_preview": tokenizer.decode(written[:200]),
+        "written": written,
     }
     out.mkdir(parents=True, exist_ok=True)
     write_json(done, result)

@@ -10,8 +10,11 @@
 // The file's nibble byte q (chunk c = q / 32, l = q % 32) holds input 64c + l low and 64c + 32 + l
 // high, so group g = 8c + t carries inputs 64c + 4t.. (sub-block 2c) and 64c + 32 + 4t.. (2c + 1).
 //
-// Included by gguf_panels.h (its pieces: kPanel, add_codes, scaled_sums, quad_of; gguf_blocks.h's Rounded, load32).
+// Included by gguf_panels.h after gguf_blocks.h (Rounded, load32); gguf_panel_lanes.h gives kPanel,
+// add_codes, scaled_sums and quad_of.
 #pragma once
+
+#include "gguf_panel_lanes.h"
 
 inline int64_t q4_k_panel_byte(int64_t r, int64_t j) {
   if (j < 2) return 2 * r + j;                 // d

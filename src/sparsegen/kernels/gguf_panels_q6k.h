@@ -12,9 +12,12 @@
 // and 128n + 96 + l; qh byte 32n + l holds the top two bits of 128n + l, + 32, + 64, + 96 in its
 // bit pairs 0-1, 2-3, 4-5, 6-7. Each sixteen inputs share a scale; a code is the six bits - 32.
 //
-// Included by gguf_panels.h after gguf_panels_k.h (its pieces: kPanel, add_codes, scale_lanes,
-// scaled_sums, kCodeSums6, quad_of, pair_products; gguf_blocks.h's Rounded, load32).
+// Included by gguf_panels.h after gguf_blocks.h (Rounded, load32); gguf_panel_lanes.h gives kPanel,
+// add_codes, scale_lanes, scaled_sums, kCodeSums6 and quad_of, gguf_panels_k.h pair_products.
 #pragma once
+
+#include "gguf_panel_lanes.h"
+#include "gguf_panels_k.h"
 
 constexpr int64_t kQ6Scales = 16, kQ6Steps = 144;  // panel offsets: the scale planes, the steps of codes
 
