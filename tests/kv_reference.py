@@ -334,8 +334,7 @@ class ReferenceCache:
         self.budget = sum(sizes.values())
         self.kept = [[[] for _ in range(kv_heads)] for _ in range(batch)]
         self.scores = [[{} for _ in range(kv_heads)] for _ in range(batch)]
-        self.length = 0
-        self.steps = 0
+        self.length = self.steps = 0
 
     def step(self, keys: torch.Tensor, queries: torch.Tensor, values: torch.Tensor | None = None) -> None:
         """keys (values): the full table [b, hkv, T, d] (new ones included); queries [b, hq, n, d] of
@@ -378,7 +377,8 @@ class ReferenceCache:
                     [queries[b, h * group + g, i].double() for i in range(n)] for g in range(group)
                 ]
                 self.ref.update(scores, received, self)
-                while self.ref.alpha is None and len(kept) > self.budget:
+                over = len(kept) >= self.budget + self.settings.get("compress_every", 1)  # then down to the budget
+                while self.ref.alpha is None and over and len(kept) > self.budget:
                     victim = min(kept, key=lambda k: self.ref.priority(k, scores[k], keys[b, h, k], self))
                     kept.remove(victim)
                     del scores[victim]

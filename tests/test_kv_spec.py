@@ -50,6 +50,7 @@ def test_a_spec_is_frozen_and_built_once():
         KVSpec.of("streaming", sinks=2, recent=30, position="original", kv_bits=4),
         KVSpec.of("snapkv", budget=64, kernel=3),
         KVSpec.of("pyramidkv", budget=40, beta=10.0),
+        KVSpec.of("rkv", budget=64, compress_every=16),
     ],
 )
 def test_to_dict_is_json_and_reads_back(spec):
@@ -57,6 +58,8 @@ def test_to_dict_is_json_and_reads_back(spec):
     assert KVSpec.from_dict(saved) == spec
     assert hash(KVSpec.from_dict(saved)) == hash(spec)
     assert str(spec).startswith(spec.name + "(")
+    every = spec.policy.compress_every  # recorded only where not the default, so older records read the same
+    assert ("compress_every" in saved["settings"]) == (every != 1) and ("compress_every" in str(spec)) == (every != 1)
 
 
 def test_describe_says_position_and_bits():
@@ -75,6 +78,7 @@ SHARES_STEP = [  # (a, b, share one batched step?)
     (dict(policy="h2o", budget=8, kv_bits=8), dict(policy="h2o", budget=8, kv_bits=4), False),
     (dict(policy="h2o", budget=8), dict(policy="tova", budget=8), False),
     (dict(policy="h2o", budget=8), dict(policy="h2o", budget=8, normalize=True), False),
+    (dict(policy="h2o", budget=8), dict(policy="h2o", budget=8, compress_every=4), False),
     (dict(policy="h2o", budget=8), dict(policy="h2o", budget=8, position="rolling"), False),
     (dict(policy="streaming", recent=8, position="original"), dict(policy="streaming", recent=8), False),
 ]

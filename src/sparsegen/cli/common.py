@@ -53,6 +53,11 @@ SinksOpt = typer.Option(None, "--sinks", help="Initial tokens always kept (strea
 RecentOpt = typer.Option(None, "--recent", help="Most recent tokens kept.")
 HeavyOpt = typer.Option(None, "--heavy", help="Heavy-hitter tokens kept (h2o policies).")
 PositionOpt = typer.Option(None, "--position", help="original or rolling (default: the policy's).")
+CompressEveryOpt = typer.Option(
+    1,
+    "--compress-every",
+    help="Decoding steps between evictions, each evicting as many (kvpress's DecodingPress; 1: one a step).",
+)
 KvBitsOpt = typer.Option(
     None,
     "--kv-bits",
@@ -73,13 +78,15 @@ def kv_spec(
     recent: int | float | None = None,
     position: str | None = None,
     kv_bits: int | None = None,
+    compress_every: int = 1,
 ) -> KVSpec:
     """The KV spec from the CLI's options, built once before the model loads: a bad policy,
     conflicting budget options or bits fail at once, as one line."""
     from sparsegen.kv.spec import KVSpec
 
     parts = {"sinks": sinks, "heavy": heavy, "recent": recent}  # None: not given
-    return KVSpec.of(policy, budget=budget, position=position, kv_bits=kv_bits, **parts)
+    every = {} if compress_every == 1 else {"compress_every": compress_every}
+    return KVSpec.of(policy, budget=budget, position=position, kv_bits=kv_bits, **parts, **every)
 
 
 def reads_from_disk(model: str, from_disk: bool | None) -> bool:

@@ -9,6 +9,7 @@ import typer
 from sparsegen.cli.common import (
     METHODS,
     POLICY_HELP,
+    CompressEveryOpt,
     DeviceOpt,
     FromDiskOpt,
     KvBitsOpt,
@@ -300,6 +301,7 @@ def long_output_command(
     centres: Path | None = typer.Option(
         None, "--centres", help="triattention's query centres (`eval calibrate-centres`); else from --text."
     ),
+    compress_every: int = CompressEveryOpt,
     out_dir: Path = typer.Option(Path("results/long_output"), "--out"),
     device: str | None = DeviceOpt,
 ) -> None:
@@ -311,6 +313,6 @@ def long_output_command(
     if centres is not None and not centres.is_file():
         raise SparsegenError(f"--centres {centres}: no such file (make one with `sparsegen eval calibrate-centres`)")
     names = tuple(name for name in policies.split(",") if name)
-    result = long_output(model, prompt, tokens, budget, names, text, out_dir, compile, device, centres)
+    result = long_output(model, prompt, tokens, budget, names, text, out_dir, compile, device, centres, compress_every)
     out.print(markdown_table(result["rows"], COLUMNS))
     out.print(f"wrote {out_dir}/long_output.json, .md and .png")

@@ -12,6 +12,7 @@ from sparsegen.cli.common import (
     POLICY_HELP,
     ActivationBitsOpt,
     BudgetOpt,
+    CompressEveryOpt,
     DeviceOpt,
     DtypeOpt,
     HeavyOpt,
@@ -84,6 +85,7 @@ def generate(
     recent: int | None = RecentOpt,
     heavy: int | None = HeavyOpt,
     position: str | None = PositionOpt,
+    compress_every: int = CompressEveryOpt,
     kv_bits: int | None = KvBitsOpt,
     activation_bits: int | None = ActivationBitsOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
@@ -104,7 +106,7 @@ def generate(
     from sparsegen.loading import load
     from sparsegen.models import dtype_named
 
-    kv = kv_spec(policy, budget, sinks, heavy, recent, position, kv_bits)
+    kv = kv_spec(policy, budget, sinks, heavy, recent, position, kv_bits, compress_every)
     dtype = dtype_named(dtype, "--dtype") if dtype else None
     loaded, tokenizer = load(model, dtype=dtype, device=device, activation_bits=activation_bits)
     encoded = _encoded(tokenizer, prompt, chat)
@@ -296,6 +298,7 @@ def serve(
         "1024", "--budget", help="KV budget per conversation: tokens (1024) or a share of each prompt (0.2)."
     ),
     sinks: int | None = SinksOpt,
+    compress_every: int = CompressEveryOpt,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     max_kv_mb: int = typer.Option(
@@ -328,7 +331,7 @@ def serve(
         err.print("answering at once with the eager step; the compiled step is built meanwhile and takes over")
     application = build_app(
         model,
-        kv_spec(policy, count_or_share(budget), sinks, kv_bits=kv_bits),
+        kv_spec(policy, count_or_share(budget), sinks, kv_bits=kv_bits, compress_every=compress_every),
         max_kv_bytes=max_kv_mb << 20,
         max_tokens_limit=max_tokens_limit,
         prefill_chunk=prefill_chunk,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.evict import priorities, update_scores, victim
+from sparsegen.kv.evict import lowest, priorities, update_scores
 from sparsegen.kv.policy import PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation
 from sparsegen.kv.slots import HeldSlots
@@ -119,9 +119,9 @@ class ContextRows:
             )
             update_scores(rule, part)
             held = part.positions >= 0
-            lowest = victim(priorities(rule, part), held)
-            over = held.sum(-1, keepdim=True) > part.sizes.budget
-            held.scatter_(2, lowest, held.gather(2, lowest) & ~over)
+            given_up = lowest(priorities(rule, part), held, rule.compress_every)
+            over = held.sum(-1, keepdim=True) >= rule.held_at_most(part.sizes.budget)
+            held.scatter_(2, given_up, held.gather(2, given_up) & ~over)
             self.live[rows], self.scores[rows] = held[..., :length], part.scores[..., :length]
             scores[rows], positions[rows] = part.scores[..., length:], own.masked_fill(~held[..., length:], EMPTY)
         return (positions == EMPTY).int().argmax(-1, keepdim=True)

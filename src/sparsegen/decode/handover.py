@@ -111,11 +111,12 @@ def slots_of(layer: CacheLayerMixin) -> HeldSlots:
 
 
 def capacity_for(parts: list[HeldSlots], max_new_tokens: int, bounded: bool = True) -> int:
-    """Slots a layer needs: the largest budget plus the token in flight, or (keeping every token,
+    """Slots a layer needs: the most its policy holds of the largest budget (`Policy.held_at_most`:
+    the token in flight, and the tokens let in before a compression), or (keeping every token,
     or not `bounded` by the budget) the longest held row plus its new tokens, rounded up to 64
     (fewer shapes to compile)."""
     if parts[0].evicting and bounded:
-        return max(part.sizes.budget for part in parts) + 1
+        return max(part.policy.held_at_most(part.sizes.budget) for part in parts)
     held = max(part.positions.shape[2] for part in parts)
     return -(-(held + max_new_tokens) // 64) * 64
 
@@ -151,7 +152,7 @@ def _buffers(parts: list[HeldSlots], capacity: int, kv_dtype: torch.dtype, bound
         positions[row : row + n, :, :held] = part.positions
         scores[row : row + n, :, :held] = part.scores
         if part.evicting and bounded:
-            positions[row : row + n, :, part.sizes.budget + 1 :] = DEAD
+            positions[row : row + n, :, part.policy.held_at_most(part.sizes.budget) :] = DEAD
         row += n
     ring = {} if parts[0].codec is None else {name: torch.cat([getattr(p, name) for p in parts]) for name in RING}
     return SlotStore(keys, values, positions, scores, parts[0].codec, **ring, kv_heads=parts[0].kv_heads)

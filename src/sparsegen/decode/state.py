@@ -19,7 +19,7 @@ from sparsegen.decode.context import ContextRows
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import ragged
 from sparsegen.kv.cache import PolicyLayer
-from sparsegen.kv.evict import priorities, update_scores, victim
+from sparsegen.kv.evict import lowest, priorities, update_scores, victim
 from sparsegen.kv.kernels import held_mix, held_scores, rolled_scores, slot_attention
 from sparsegen.kv.policy import KEEP, PARTS, Policy, Sizes, Step
 from sparsegen.kv.rope import KeyRotation, roll_deltas
@@ -263,10 +263,22 @@ class LayerState:
             )
             update_scores(self.policy, step)
             priority = priorities(self.policy, step)
+            if self.policy.compress_every > 1:
+                free_lowest(self.positions, priority, self.policy.compress_every)
         else:
             priority = torch.full_like(self.scores, KEEP)
         self.slot.copy_(victim(priority, held=self.positions != DEAD, free=self.positions == EMPTY))
         put_in_slots(self.positions, self.slot, EMPTY)  # the chosen slot is free for the next token
+
+
+def free_lowest(positions: torch.Tensor, priority: torch.Tensor, count: int) -> None:
+    """Where a row and head has no free slot left, free its `count` held slots of lowest
+    `priority` at once (`Policy.compress_every`; `victim` then takes one of them for the next
+    token), in place in `positions` [b, h, C]; rows with room keep theirs. Fixed shapes: one
+    compiled step whether or not a row compresses."""
+    full = ~(positions == EMPTY).any(-1, keepdim=True)
+    given_up = lowest(priority, positions >= 0, count)
+    positions.scatter_(2, given_up, torch.where(full, EMPTY, positions.gather(2, given_up)))
 
 
 def first_free(positions: torch.Tensor, head_of: torch.Tensor, kv_heads: int) -> torch.Tensor:

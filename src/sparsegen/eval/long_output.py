@@ -151,11 +151,13 @@ def long_output(
     compile: str = "never",
     device: str | None = None,
     centres: Path | None = None,
+    compress_every: int = 1,
 ) -> dict:
     """Each policy at a budget of `share` of `tokens` against the full cache along its output;
     writes `long_output.json`, `.md` and `.png` into `out` (a finished run of the same settings is
     read back, not run again). TriAttention reads its query centres from `centres`, else from
-    2,048 tokens of `text` (`out/centres.json`, said)."""
+    2,048 tokens of `text` (`out/centres.json`, said). `compress_every` > 1 evicts that many tokens
+    every that many steps (kvpress's decoding protocol), holding up to the budget + that - 1."""
     from tqdm.auto import tqdm
 
     from sparsegen.ioutil import write_json, write_text
@@ -166,12 +168,16 @@ def long_output(
     budget = max(1, round(share * tokens))
     settings = {"model": model_name, "prompt": prompt_kind, "tokens": tokens, "budget": budget}
     settings |= {"policies": list(policies), "centres": None if centres is None else str(centres)}
+    settings |= {"compress_every": compress_every} if compress_every > 1 else {}  # (older runs' settings read back)
     done = out / "long_output.json"
     if done.exists() and (previous := _read(done)).get("settings") == settings:
         return previous
+    every = {"compress_every": compress_every} if compress_every > 1 else {}
+    runs = {name: {"policy": name, "budget": budget, **every} for name in policies}
+    for run in runs.values():  # a bad policy or setting fails here, before the model loads
+        make_policy(**run)
     model, tokenizer = load(model_name, device=device)
     prompt = long_output_prompt(tokenizer, prompt_kind, text)
-    runs = {name: {"policy": name, "budget": budget} for name in policies}
     if "triattention" in runs:
         runs["triattention"]["centres"] = str(centres or _calibrated_centres(model, tokenizer, text, model_name, out))
     with tqdm(total=tokens, unit="tok", desc=f"following the full cache with {len(runs)} policies") as bar:

@@ -228,7 +228,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             if self.compressed:  # keeps every new token: grow by a sixteenth, to stay near what it holds
                 grown = size + n + room_for(size + n)
             else:
-                limit = self.sizes.largest + 1 if self.sizes is not None else float("inf")
+                limit = self.policy.held_at_most(self.sizes.largest) if self.sizes is not None else float("inf")
                 grown = int(max(size + n, min(limit, max(2 * self.capacity, 64))))
             self.store.grow(grown)
         self.store.write(size, key_states, value_states, new_positions)
@@ -277,7 +277,7 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             return
         if self.policy.prefill_only:
             self.compressed = True
-        if self.size <= self.sizes.largest:
+        if self.size < self.policy.held_at_most(self.sizes.largest):  # room for the next token: evict later
             return
         priority = priorities(self.policy, step, self.pinned)
         budget = self.sizes.budget
@@ -287,7 +287,8 @@ class PolicyLayer(HandOver, CacheLayerMixin):
             self.hole = victim(priority)
             self.size -= 1
         else:
-            self._keep(keep_best(priority, budget), budget + room_for(budget) if self.compressed else budget + 1)
+            capacity = budget + room_for(budget) if self.compressed else self.policy.held_at_most(budget)
+            self._keep(keep_best(priority, budget), capacity)
 
     def held_slots(self) -> dict[str, torch.Tensor]:
         """The held part of the per-slot buffers (with `head_of` where heads are held flat), by name."""

@@ -42,6 +42,14 @@ def victim(priority: torch.Tensor, held: torch.Tensor | None = None, free: torch
     return priority.argmin(-1, keepdim=True)
 
 
+def lowest(priority: torch.Tensor, held: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """The `count` `held` slots of lowest `priority` each row and head gives up at once [b, h, count]
+    (`Policy.compress_every`; `victim`'s one for a single slot)."""
+    if count == 1:
+        return victim(priority, held)
+    return priority.float().masked_fill(~held, KEEP).topk(count, dim=-1, largest=False).indices
+
+
 def keep_best(priority: torch.Tensor, budget: int) -> torch.Tensor:
     """The `budget` slots of highest priority each row and head keeps [b, h, budget], in slot order."""
     return priority.topk(budget, dim=-1).indices.sort(-1).values

@@ -187,6 +187,11 @@ class Policy(ABC):
     `reconstructs` (scores with `Step.reconstruction`, which `decode.reading.read` computes by letting
     the model re-read the prompt), `reads_keys` (scores from `Step.keys` while decoding: the fast
     path then reads them as numbers). Budget parts are the fields named sinks, heavy, recent.
+
+    `compress_every`, every policy's one shared setting, is when a policy that evicts while
+    decoding does so: 1 (the default) gives up one token a step; N lets N tokens in beyond the
+    budget and then evicts N at once, as kvpress's `DecodingPress` compresses every N generated
+    tokens and as R-KV and TriAttention compress when their buffer fills (`held_at_most`).
     """
 
     name: ClassVar[str]
@@ -197,9 +202,25 @@ class Policy(ABC):
     reconstructs: ClassVar[bool] = False
     reads_keys: ClassVar[bool] = False
 
+    compress_every: int = field(default=1, kw_only=True)
+    """Decoding steps between evictions; each evicts as many tokens (1: one a step)."""
+
     def __post_init__(self) -> None:
         for part in self.budget_parts():
             _check_count(part, getattr(self, part))
+        every = self.compress_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise SparsegenError(f"compress_every must be an int >= 1 (steps between evictions), got {every!r}")
+        if every > 1 and (self.prefill_only or not self.budget_parts()):
+            raise SparsegenError(
+                f"policy {self.name!r} does not evict while decoding: compress_every applies to those that do "
+                "(h2o, tova, rkv, triattention, ...)"
+            )
+
+    def held_at_most(self, budget: int | torch.Tensor) -> int | torch.Tensor:
+        """Tokens a holder of `budget` holds at most during a step: the budget, the tokens it lets
+        in beyond it until it compresses (`compress_every` - 1), and the one in flight."""
+        return budget + self.compress_every
 
     @classmethod
     def budget_parts(cls) -> tuple[str, ...]:
@@ -255,7 +276,9 @@ class Policy(ABC):
         is kept; `KEEP` always."""
 
     def describe(self) -> str:
-        values = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)]
+        names = [f.name for f in dataclasses.fields(self) if f.name != "compress_every"]
+        names += ["compress_every"] if self.compress_every != 1 else []  # said only where it is not the default
+        values = [f"{name}={getattr(self, name)}" for name in names]
         return f"{self.name}({', '.join(values)})"
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparsegen.errors import SparsegenError
-from sparsegen.kv.policy import POLICIES, Policy, make_policy
+from sparsegen.kv.policy import PARTS, POLICIES, Policy, make_policy
 from sparsegen.kv.quantized import checked_bits
 from sparsegen.registry import settings_of
 
@@ -85,12 +85,20 @@ class KVSpec:
 
     def asked(self, policy: str | None, budget: int | float | None, kv_bits: int | None) -> KVSpec:
         """The spec a request asks for over this default one: this policy and budget where it
-        names neither, else its policy (this one where it names only a budget) at that budget;
-        in `kv_bits`, at this spec's position and rotation."""
+        names neither, else its policy (this one where it names only a budget or this policy) at that
+        budget, with this policy's other settings where it is this one (`compress_every`, ...); in
+        `kv_bits`, at this spec's position and rotation."""
         if policy is None and budget is None:
             return dataclasses.replace(self, kv_bits=kv_bits)
+        same = policy in (None, self.name)
+        settings = {k: v for k, v in settings_of(self.policy).items() if k not in PARTS} if same else {}
         return KVSpec.of(
-            policy or self.name, budget=budget, position=self.position, kv_bits=kv_bits, kv_rotated=self.kv_rotated
+            policy or self.name,
+            budget=budget,
+            position=self.position,
+            kv_bits=kv_bits,
+            kv_rotated=self.kv_rotated,
+            **settings,
         )
 
     def step_key(self) -> tuple:
@@ -103,10 +111,14 @@ class KVSpec:
         return self.step_key() == other.step_key()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe: the policy's name and settings (its init fields), the position and the bits."""
+        """JSON-safe: the policy's name and settings (its init fields; `compress_every` where it is
+        not 1, so records of one-a-step eviction read as before), the position and the bits."""
+        settings = settings_of(self.policy)
+        if settings["compress_every"] == 1:
+            del settings["compress_every"]
         return {
             "policy": self.name,
-            "settings": settings_of(self.policy),
+            "settings": settings,
             "position": self.position,
             "kv_bits": self.kv_bits,
             "kv_rotated": self.kv_rotated,

@@ -46,7 +46,7 @@ class Admission:
         """Bytes of KV `request` may hold at most."""
         sizes = request.kv.policy.sizes(len(request.prompt_ids))
         most = len(request.prompt_ids) + request.max_tokens
-        tokens = most if sizes is None else min(sizes.budget + 1, most)
+        tokens = most if sizes is None else min(request.kv.policy.held_at_most(sizes.budget), most)
         return self.row_bytes(tokens, request.kv.kv_bits)
 
     def check(self, job: Job, arriving: int) -> None:
