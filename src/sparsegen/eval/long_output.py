@@ -160,19 +160,17 @@ def long_output(
     every that many steps (kvpress's decoding protocol), holding up to the budget + that - 1."""
     from tqdm.auto import tqdm
 
-    from sparsegen.ioutil import write_json, write_text
     from sparsegen.loading import load
-    from sparsegen.report import markdown_table, plot_lines, run_meta
+    from sparsegen.report import run_meta
     from sparsegen.sampling import stop_tokens
 
     budget = max(1, round(share * tokens))
+    every = {"compress_every": compress_every} if compress_every > 1 else {}  # (older runs' settings read back)
     settings = {"model": model_name, "prompt": prompt_kind, "tokens": tokens, "budget": budget}
-    settings |= {"policies": list(policies), "centres": None if centres is None else str(centres)}
-    settings |= {"compress_every": compress_every} if compress_every > 1 else {}  # (older runs' settings read back)
+    settings |= {"policies": list(policies), "centres": None if centres is None else str(centres), **every}
     done = out / "long_output.json"
     if done.exists() and (previous := _read(done)).get("settings") == settings:
         return previous
-    every = {"compress_every": compress_every} if compress_every > 1 else {}
     runs = {name: {"policy": name, "budget": budget, **every} for name in policies}
     for run in runs.values():  # a bad policy or setting fails here, before the model loads
         make_policy(**run)
@@ -192,9 +190,19 @@ def long_output(
         "output_preview": tokenizer.decode(written[:200]),
         "written": written,
     }
+    every_said = f", evicting every {compress_every} steps" if every else ""
+    _write_run(out, result, f"{model_name}: {tokens} written tokens, KV budget {budget} ({share:.0%}){every_said}")
+    return result
+
+
+def _write_run(out: Path, result: dict, title: str) -> None:
+    """`long_output.json` (atomically), its table as `.md` and the agreement along the output as `.png`."""
+    from sparsegen.ioutil import write_json, write_text
+    from sparsegen.report import markdown_table, plot_lines
+
+    rows = result["rows"]
     out.mkdir(parents=True, exist_ok=True)
-    write_json(done, result)
-    title = f"{model_name}: {tokens} written tokens, KV budget {budget} ({share:.0%})"
+    write_json(out / "long_output.json", result)
     write_text(out / "long_output.md", f"# {title}\n\n" + markdown_table(rows, COLUMNS))
     series = {
         row["policy"]: (
@@ -204,7 +212,6 @@ def long_output(
         for row in rows
     }
     plot_lines(series, out / "long_output.png", "written tokens", "top-1 agreement with the full cache", title)
-    return result
 
 
 def _calibrated_centres(model, tokenizer, text: str, model_name: str, out: Path) -> Path:
