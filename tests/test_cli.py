@@ -360,3 +360,15 @@ def test_bench_peers_runs_on_the_cpu_only(monkeypatch, capsys):
     assert code == 2 and "use --device cpu" in err and "Traceback" not in err
     code, _, err = run_cli(monkeypatch, capsys, "bench", "peers", "--rounds", "0")
     assert code == 2 and "rounds must be >= 1 (--rounds)" in err and "Traceback" not in err
+
+
+def test_the_machine_a_result_records_names_the_cpus_family_and_vector_units(tmp_path):
+    from sparsegen.report import cpu_model
+
+    first = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\n"
+    first += "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    second = first.replace("processor\t: 0", "processor\t: 1").replace("26", "25")
+    (tmp_path / "cpuinfo").write_text(first + "\n" + second)
+    assert cpu_model(str(tmp_path / "cpuinfo")) == "AMD EPYC (family 26 model 2; AVX2, AVX-512, AVX512-BF16)"
+    (tmp_path / "arm").write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\n")
+    assert "family" not in cpu_model(str(tmp_path / "arm")) and cpu_model(str(tmp_path / "arm"))

@@ -130,11 +130,26 @@ def run_meta(**fields) -> dict:
     }
 
 
-def cpu_model() -> str:
-    """The CPU's model name (hosts of one machine kind differ, and so do their speed tables)."""
+_VECTOR_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "avx512_vnni": "VNNI"}
+_VECTOR_FLAGS |= {"amx_tile": "AMX"}
+"""The /proc/cpuinfo flags a speed table names (what the kernels and the bf16 choice depend on)."""
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name with its family, model and vector units ("AMD EPYC (family 26 model 2;
+    AVX2, AVX-512, ...)"): hosts of one machine kind differ, and so do their speed tables; a
+    virtual machine's name alone ("AMD EPYC") does not tell a Zen 3 from a Zen 5."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as handle:
-            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+        with open(cpuinfo) as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())  # the first processor's
     except OSError:
-        names = []
-    return names[0] if names else platform.processor() or "unknown CPU"
+        pass
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" not in fields:
+        return name
+    flags = set(fields.get("flags", "").split())
+    units = ", ".join(label for flag, label in _VECTOR_FLAGS.items() if flag in flags)
+    return f"{name} (family {fields['cpu family']} model {fields.get('model', '?')}" + (f"; {units})" if units else ")")
