@@ -130,8 +130,13 @@ def run_meta(**fields) -> dict:
     }
 
 
-_VECTOR_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "avx512_vnni": "VNNI"}
-_VECTOR_FLAGS |= {"amx_tile": "AMX"}
+_VECTOR_FLAGS = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512",
+    "avx512_bf16": "AVX512-BF16",
+    "avx512_vnni": "VNNI",
+    "amx_tile": "AMX",
+}
 """The /proc/cpuinfo flags a speed table names (what the kernels and the bf16 choice depend on)."""
 
 
