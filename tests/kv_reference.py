@@ -304,7 +304,7 @@ TABLE: dict[str, Row] = {
 EVICTING = [name for name, row in TABLE.items() if row.ref is not None]
 
 
-def generate_drop_in(model, ids: torch.Tensor, cache, new: int) -> list[int]:
+def generate_drop_in(model, ids: torch.Tensor, cache, new: int, frame=None) -> list[int]:
     """transformers' generate() over a policy cache, greedy, one row: the eager engine the fast path
     must equal. A policy that scores the prompt by re-reading it (KVzip) is handed the prompt by
     `read` (as its docs say), then generate() continues the cache from the first new token."""
@@ -314,7 +314,7 @@ def generate_drop_in(model, ids: torch.Tensor, cache, new: int) -> list[int]:
     start = ids.shape[1]
     with policy_attention(model), torch.inference_mode():  # read's tensors are inference tensors
         if cache.policy.reconstructs:
-            ids = torch.cat([ids, read(model, ids, cache).argmax(-1, keepdim=True)], 1)
+            ids = torch.cat([ids, read(model, ids, cache, frame=frame).argmax(-1, keepdim=True)], 1)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

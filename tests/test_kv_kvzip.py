@@ -6,30 +6,40 @@ import pytest
 import torch
 
 from sparsegen.decode import generate
+from sparsegen.decode.kvzip_read import RepeatFrame, repeat_frame
 from sparsegen.decode.reading import read
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
 from sparsegen.kv import make_cache, make_policy, policy_attention
 from sparsegen.kv.spec import KVSpec
-from tests.conftest import ARCHS, build_tiny
+from tests.conftest import ARCHS, build_tiny, tiny_tokenizer
 from tests.kv_reference import generate_drop_in
 
 
-def _reference_scores(model, ids: list[int], chunk: int, cue: int) -> dict[int, torch.Tensor]:
+def _reference_scores(
+    model, ids: list[int], chunk: int, cue: int, scoped: int | None = None, frame: RepeatFrame | None = None
+) -> dict[int, torch.Tensor]:
     """Per full-attention layer, float64 [h, n]: every chunk re-read after the context in one dense
-    eager forward; a token scores the most attention any query of its group gave it while its
-    chunk was re-read."""
+    eager forward (inside `frame`'s words where given); a token scores the most attention any query
+    of its group gave it while its chunk was re-read (with `scoped`, each query's attention divided
+    by what it gave the first `scoped` tokens, the chunk and the re-read's own tokens)."""
     config = model.config.get_text_config(decoder=True)
     n, group = len(ids), config.num_attention_heads // config.num_key_value_heads
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     scores = {i: torch.zeros(config.num_key_value_heads, n, dtype=torch.float64) for i, t in enumerate(types)}
     for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        text = ids + ids[max(0, start - cue) : stop]
+        stop, cued = min(n, start + chunk), ids[max(0, start - cue) : start]
+        again = cued + ids[start:stop]
+        if frame is not None:
+            again = list(frame.first if start == 0 else frame.later) + cued + list(frame.turn) + ids[start:stop]
         with torch.inference_mode():
-            weights = model(torch.tensor([text]), output_attentions=True).attentions
+            weights = model(torch.tensor([ids + again]), output_attentions=True).attentions
         for layer in scores:
-            seen = weights[layer][0, :, n:, start:stop].double()  # [hq, re-read queries, chunk keys]
+            seen = weights[layer][0, :, n:].double()  # [hq, re-read queries, every key]
+            if scoped is not None:
+                scope = [*range(scoped), *range(start, stop), *range(n, n + len(again))]
+                seen = seen / seen[..., scope].sum(-1, keepdim=True)
+            seen = seen[..., start:stop]  # [hq, re-read queries, chunk keys]
             grouped = seen.reshape(config.num_key_value_heads, group * seen.shape[1], stop - start)
             scores[layer][:, start:stop] = grouped.amax(1)
     return {layer: score for layer, score in scores.items() if types[layer] == "full_attention"}
@@ -57,11 +67,11 @@ def _heavy_per_layer(scores: dict[int, torch.Tensor], sinks: int, heavy: int, po
     return counts
 
 
-def _reference_kept(model, ids: list[int], sinks: int, heavy: int, chunk: int, cue: int, pool: str):
+def _reference_kept(model, ids: list[int], sinks: int, heavy: int, chunk: int, cue: int, pool: str, **reread):
     """Per full-attention layer, the positions each KV head keeps: the layer's heads' best
     `sinks + heavy` per head together (its heavy count from `_heavy_per_layer`), the first `sinks`
     always."""
-    scores = _reference_scores(model, ids, chunk, cue)
+    scores = _reference_scores(model, ids, chunk, cue, **reread)
     counts = _heavy_per_layer(scores, sinks, heavy, pool)
     kept = {}
     for layer, score in scores.items():
@@ -78,7 +88,7 @@ def test_kept_sets_equal_the_brute_force_reconstruction(arch, pool):
     model = build_tiny(arch, "eager")
     ids = torch.randint(3, 96, (37,), generator=torch.Generator().manual_seed(7)).tolist()
     for chunk, cue in ((64, 8), (16, 3)):  # one re-read, and three chunks with cues
-        cache = make_cache(model, KVSpec.of("kvzip", sinks=2, heavy=9, chunk=chunk, cue=cue, pool=pool))
+        cache = make_cache(model, KVSpec.of("kvzip", sinks=2, heavy=9, chunk=chunk, cue=cue, pool=pool, scope="cache"))
         read(model, ids, cache)
         expected = _reference_kept(model, ids, 2, 9, chunk, cue, pool)
         held = [sum(map(len, layer.kept_positions()[0])) for layer in cache.policy_layers()]
@@ -86,6 +96,51 @@ def test_kept_sets_equal_the_brute_force_reconstruction(arch, pool):
             assert layer.kept_positions()[0] == expected[layer.layer_idx], (arch, chunk, layer.layer_idx)
         assert sum(held) == 11 * cache.policy_layers()[0].kv_heads * len(held)  # the budget's total, however pooled
         assert (len(set(held)) == 1) == (pool == "layer") or len(held) == 1, held
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_papers_reread_chunk_scoped_and_asked_keeps_the_brute_force_sets(arch):
+    model = build_tiny(arch, "eager")
+    ids = torch.randint(3, 96, (37,), generator=torch.Generator().manual_seed(8)).tolist()
+    frame = RepeatFrame(first=(5, 6, 7), later=(8, 9), turn=(10, 11))
+    shared = SharedPrefill(model, ids, frame)
+    for instructed in (False, True):
+        spec = KVSpec.of("kvzip", sinks=2, heavy=9, chunk=16, cue=3, scope="chunk", instructed=instructed)
+        cache = shared.cache_for(spec)
+        expected = _reference_kept(model, ids, 2, 9, 16, 3, "model", scoped=2, frame=frame if instructed else None)
+        for layer in cache.policy_layers():
+            assert layer.kept_positions()[0] == expected[layer.layer_idx], (arch, instructed, layer.layer_idx)
+    bare = _reference_kept(model, ids, 2, 9, 16, 3, "model")
+    assert any(bare[layer] != expected[layer] for layer in bare)  # the frame and the scope choose other tokens
+
+
+def test_an_instructed_kvzip_asks_in_the_tokenizers_words_through_generate_and_the_server():
+    import threading
+
+    from sparsegen.serve.batching import Engine
+    from sparsegen.serve.events import Done, Failed
+    from sparsegen.serve.jobs import GenerationRequest
+
+    model, tokenizer = build_tiny("qwen2"), tiny_tokenizer()
+    prompt = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    spec, frame = KVSpec.of("kvzip", budget=10, chunk=12, instructed=True), repeat_frame(tokenizer)
+    asked, bare = make_cache(model, spec), make_cache(model, KVSpec.of("kvzip", budget=10, chunk=12))
+    expected = generate_drop_in(model, torch.tensor([prompt]), asked, 12, frame)
+    read(model, prompt, bare)
+    assert any(a.kept_positions() != b.kept_positions() for a, b in zip(asked.layers, bare.layers, strict=True))
+    fast = generate(model, [prompt], 12, spec, compile="never", tokenizer=tokenizer, eos_token_id=[]).tokens[0]
+    assert fast == expected
+    stopping = generate(model, [prompt], 12, spec, compile="never", tokenizer=tokenizer).tokens[0]
+    engine, ended, events = Engine(model, tokenizer, spec), threading.Event(), []
+    try:
+        engine.submit(
+            GenerationRequest(prompt, 12, spec),
+            lambda e: (events.append(e), isinstance(e, (Done, Failed)) and ended.set()),
+        )
+        assert ended.wait(60) and isinstance(events[-1], Done), events[-1]
+    finally:
+        engine.close()
+    assert events[-1].text == tokenizer.decode(stopping, skip_special_tokens=True)
 
 
 def test_the_fast_path_equals_the_drop_in_cache_after_read_and_rows_equal_single_runs():
@@ -143,6 +198,10 @@ def test_what_kvzip_cannot_do_is_a_one_line_error():
         make_policy("kvzip", chunk=0)
     with pytest.raises(SparsegenError, match="pool is one of model, layer, got 'heads'"):
         make_policy("kvzip", pool="heads")
+    with pytest.raises(SparsegenError, match="scope is one of cache, chunk, got 'all'"):
+        make_policy("kvzip", scope="all")
+    with pytest.raises(SparsegenError, match=r"instructed=True asks the model to repeat .* give the tokenizer"):
+        read(model, ids, make_cache(model, KVSpec.of("kvzip", budget=8, instructed=True)))
     roomy = make_cache(model, KVSpec.of("kvzip", budget=64))  # nothing to evict: model.generate needs no re-reading
     assert len(generate_drop_in(model, ids, roomy, 4)) == 4
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.decode.handover import held_kv_dtype, slots_of, stack_layer
+from sparsegen.decode.kvzip_read import RepeatFrame
 from sparsegen.decode.reading import read
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.decode.static import StaticKV
@@ -73,7 +74,8 @@ class Decoder:
     server); the compiled step is then traced once for one row and once for any other row count and
     slot count (`StaticKV.varying`), so rows joining and leaving never compile it again.
     `packed`: the few-row kernel's copies of the fp32 weights to share (`few_rows.pack_weights`, as
-    much memory again as those weights); made at the first CPU step when not given.
+    much memory again as those weights); made at the first CPU step when not given. `frame`: the
+    words a policy that asks the model to repeat the prompt re-reads it in (`decode.kvzip_read`).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Decoder:
         prefill_chunk: int | None = None,
         rows_vary: bool = False,
         packed: PackedWeights | None = None,
+        frame: RepeatFrame | None = None,
     ) -> None:
         if compile not in COMPILE_MODES:
             raise SparsegenError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
@@ -100,6 +103,7 @@ class Decoder:
         self.kv_dtype = kv_dtype or (None if on_cpu else next(model.parameters()).dtype)  # None: at join
         self.notify = notify
         self.prefill_chunk = prefill_chunk
+        self.frame = frame
         self.rows_vary = rows_vary
         self.state: StaticKV | None = None
         self._eager = DecodeStep(model)
@@ -139,7 +143,7 @@ class Decoder:
         for rows in groups:
             cache = held[rows[0]] or self.new_cache(len(prompts[rows[0]]))
             ids = torch.tensor([prompts[i] for i in rows], device=self.device)
-            last = read(self.model, ids, cache, self.prefill_chunk)
+            last = read(self.model, ids, cache, self.prefill_chunk, frame=self.frame)
             caches.append((rows, cache))
             for row, row_logits in zip(rows, last, strict=True):
                 logits[row] = row_logits

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from sparsegen.decode.engine import Decoder
+from sparsegen.decode.kvzip_read import repeat_frame
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import policy_attention
@@ -65,6 +66,15 @@ def _sampler(rows: int, temperature: float, top_p: float, seed: int | None) -> C
     return sample
 
 
+def _new_decoder(model, kv, tokenizer, notify, **settings) -> Decoder:
+    """generate()'s own decoder: stderr's notes unless `notify` is given; for a KVzip that asks the
+    model to repeat the prompt (`instructed`), the `tokenizer`'s words for it."""
+    options = {"notify": notify} if notify is not None else {}
+    if tokenizer is not None and KVSpec.coerce(kv).policy.instructed:
+        options["frame"] = repeat_frame(tokenizer)
+    return Decoder(model, kv, **settings, **options)
+
+
 @torch.inference_mode()
 def generate(
     model: torch.nn.Module,
@@ -109,8 +119,9 @@ def generate(
     rule = StopRule(max_new_tokens, frozenset(stops))
     own_decoder = decoder is None
     if own_decoder:
-        options = {"notify": notify} if notify is not None else {}
-        decoder = Decoder(model, kv, compile=compile, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, **options)
+        decoder = _new_decoder(
+            model, kv, tokenizer, notify, compile=compile, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk
+        )
     sample = _sampler(len(prompts), temperature, top_p, seed)
     compiled_before = decoder.compile_s  # a passed decoder may have compiled in an earlier call
     with policy_attention(model):  # the model's own attention again when generation ends

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.decode.forward import as_given, read_rows, token_rows
+from sparsegen.decode.kvzip_read import RepeatFrame
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.attention import PackedEngine, policy_attention
@@ -64,6 +65,7 @@ def read(
     chunk: int | None = None,
     all_logits: bool = False,
     stop: Callable[[], bool] | None = None,
+    frame: RepeatFrame | None = None,
 ) -> torch.Tensor | None:
     """Read token `ids` (one row's list, or rows [b, n]) into `cache`, `chunk` tokens per forward
     (default: one forward), so the policy evicts between chunks. Returns the logits of every id
@@ -71,19 +73,19 @@ def read(
     None for no ids); only what is returned is computed, so long prompts stay cheap. A policy that
     compresses the prompt once (`prefill_only`) reads a fresh cache's prompt in one forward, so
     that its one choice sees the whole prompt; one that re-reads the prompt to score it
-    (`kv.kvzip`) does so then. `stop`, asked before every decoder layer, abandons the read
-    (`Abandoned`) when it says so."""
+    (`kv.kvzip`) does so then, inside `frame` where its policy is `instructed`. `stop`, asked before
+    every decoder layer, abandons the read (`Abandoned`) when it says so."""
     with stoppable(model, stop):
-        return _read(model, ids, cache, chunk, all_logits)
+        return _read(model, ids, cache, chunk, all_logits, frame)
 
 
-def _read(model, ids, cache: PolicyCache, chunk: int | None, all_logits: bool) -> torch.Tensor | None:
+def _read(model, ids, cache: PolicyCache, chunk: int | None, all_logits: bool, frame: RepeatFrame | None):
     rows = token_rows(model, ids)
     step = chunk or max(rows.shape[1], 1)
     if reads_whole(cache) and rows.shape[1]:
         step = rows.shape[1]
         if cache.policy.reconstructs:
-            return as_given(_read_reconstructing(model, rows, cache, all_logits), ids)
+            return as_given(_read_reconstructing(model, rows, cache, all_logits, frame), ids)
     return as_given(read_rows(model, rows, cache, step, all_logits), ids)
 
 
@@ -131,7 +133,7 @@ def reads_whole(cache: PolicyCache) -> bool:
     return cache.policy.prefill_only and cache.get_seq_length() == 0
 
 
-def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logits: bool) -> torch.Tensor:
+def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logits: bool, frame) -> torch.Tensor:
     """A policy that scores the prompt by the model re-reading it (`kv.kvzip`): `rows` [b, n] read
     in one forward under the full cache, re-read, then replayed into `cache` (`decode.shared`); the
     last token's logits [b, vocab]."""
@@ -140,7 +142,7 @@ def _read_reconstructing(model, rows: torch.Tensor, cache: PolicyCache, all_logi
             f"{cache.policy.name} re-reads the prompt to score it and gives only the last token's logits: "
             "drop the prompt's logprobs (echo) or choose another policy"
         )
-    shared = SharedPrefill(model, rows)
+    shared = SharedPrefill(model, rows, frame)
     shared.replay_into(cache)
     return shared.logits
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsegen.decode.forward import as_given, read_rows, token_rows
-from sparsegen.decode.kvzip_read import reconstruct
+from sparsegen.decode.kvzip_read import RepeatFrame, reconstruct
+from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.kvzip import attention_and_peaks
+from sparsegen.kv.kvzip import Probe, attention_and_peaks
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache, layer_state, load_layer_state
 from sparsegen.kv.spec import KVSpec
@@ -42,15 +43,15 @@ class RecordingLayer(PolicyLayer):
     """A policy layer that keeps what its last attention call handed it (under `full`, everything)."""
 
     recorded: Recorded | None = None
-    probing: bool = False
-    """While KVzip re-reads the context (`decode.kvzip_read.reconstruct`): compute the attention here and
-    keep in `peak` the most attention each key received."""
+    probing: Probe | None = None
+    """While KVzip re-reads the context (`decode.kvzip_read.reconstruct`), the chunk it re-reads:
+    compute the attention here and keep in `peak` the most attention each key received."""
     peak: torch.Tensor | None = None
 
     def own_attention(self, query, keys, values, scaling):
-        if not self.probing:
+        if self.probing is None:
             return super().own_attention(query, keys, values, scaling)
-        out, self.peak = attention_and_peaks(query, keys, values, scaling)
+        out, self.peak = attention_and_peaks(query, keys, values, scaling, self.probing)
         return out
 
     def after_attention(self, query, keys, scaling, weights=None, received=None, values=None) -> None:
@@ -63,12 +64,14 @@ class SharedPrefill:
     policy's cache after reading it.
 
     `logits` are the last context token's next-token logits ([vocab], or [b, vocab]). The model's
-    re-reading of the context (`kv.kvzip`) is run once for every policy that asks for it.
+    re-reading of the context (`kv.kvzip`) is run once for every policy that asks for it, inside
+    `frame` (`decode.kvzip_read.RepeatFrame`: the words asking to repeat it) for an `instructed` one.
     """
 
     @torch.inference_mode()
-    def __init__(self, model: torch.nn.Module, ids: list[int] | torch.Tensor) -> None:
+    def __init__(self, model: torch.nn.Module, ids: list[int] | torch.Tensor, frame: RepeatFrame | None = None) -> None:
         self.model = model
+        self.frame = frame
         self.rows = token_rows(model, ids)
         self.length = self.rows.shape[1]
         self.record = make_cache(model, "full", layer_class=RecordingLayer)
@@ -106,7 +109,15 @@ class SharedPrefill:
         return call.keys[0], call.values[0]
 
     def _reconstruction(self, policy: Policy) -> list[torch.Tensor | None]:
-        probes = tuple(policy.probes(self.length))
-        if probes not in self._reconstructions:
-            self._reconstructions[probes] = reconstruct(self.model, self.record, self.rows, probes)
-        return self._reconstructions[probes]
+        instructed = policy.instructed
+        if instructed and self.frame is None:
+            raise SparsegenError(
+                f"{policy.name} with instructed=True asks the model to repeat the prompt in words from its "
+                "tokenizer: give the tokenizer (sparsegen.generate(..., tokenizer=...); "
+                "read(..., frame=repeat_frame(tokenizer))), or set instructed=False"
+            )
+        key = (tuple(policy.probes(self.length)), instructed)
+        if key not in self._reconstructions:
+            frame = self.frame if instructed else None
+            self._reconstructions[key] = reconstruct(self.model, self.record, self.rows, key[0], frame)
+        return self._reconstructions[key]

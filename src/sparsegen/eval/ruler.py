@@ -81,12 +81,12 @@ def _cells(settings: RulerSettings) -> list[tuple[str, float]]:
     return [("full", 0.0)] + [(p, r) for p in settings.policies if p != "full" for r in settings.ratios]
 
 
-def _read_alone(model, context: list[int], kv: KVSpec):
+def _read_alone(model, context: list[int], kv: KVSpec, frame):
     from sparsegen.decode.reading import read
     from sparsegen.kv import make_cache
 
     cache = make_cache(model, kv.resolved(len(context)))
-    read(model, context, cache)
+    read(model, context, cache, frame=frame)
     return cache
 
 
@@ -118,6 +118,7 @@ def _decode_groups(cells: list[tuple[str, float]], context_length: int, settings
 def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings) -> list[dict]:
     """Every policy x ratio on one sample, from one prefill of its context."""
     from sparsegen.decode import generate
+    from sparsegen.decode.kvzip_read import repeat_frame
     from sparsegen.decode.shared import SharedPrefill
 
     context = tokenizer(sample.context, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
@@ -126,13 +127,14 @@ def score_sample(model, tokenizer, sample: RulerSample, settings: RulerSettings)
         context, question = context + question[:-1], question[-1:]
     setting = task_table()[sample.task]
     started = time.perf_counter()
-    shared = None if settings.separate_prefill else SharedPrefill(model, context)
+    frame = repeat_frame(tokenizer)  # for a policy that asks the model to repeat the context (kvzip)
+    shared = None if settings.separate_prefill else SharedPrefill(model, context, frame)
     prefill_s = time.perf_counter() - started
     records = []
     for group in _decode_groups(_cells(settings), len(context), settings):
         began = time.perf_counter()
         caches = [
-            _read_alone(model, context, cell["kv"]) if shared is None else shared.cache_for(cell["kv"])
+            _read_alone(model, context, cell["kv"], frame) if shared is None else shared.cache_for(cell["kv"])
             for cell in group
         ]
         made = generate(

@@ -11,16 +11,19 @@ compressed context answers many.
 The re-reading is one more pass over the context, each chunk attending over the context and its
 copy. Running it is decode's work (`decode.kvzip_read.reconstruct`): `decode.reading.read` runs it
 for a fresh cache whose policy `reconstructs`, `decode.shared.SharedPrefill` once per context for
-every budget; this module scores with what it found. Choices beside kvpress's
-press: the chunks are re-read without an instruction text ("Repeat the previous context
-exactly."), so no tokenizer is needed and base models work too; the attention is the model's own
-(softmax over the whole cache), where kvpress renormalises it over the sinks, the chunk and its
-copy. `pool="layer"` keeps each layer's budget as it is (kvpress's `layerwise=True`).
+every budget; this module scores with what it found. As in the paper and kvpress, each re-read
+query's attention is renormalised over the sinks, the chunk and its copy (`scope="chunk"`;
+"cache": the model's own softmax over all it sees). By default the chunks are re-read bare (no
+tokenizer needed, base models work too); the paper and kvpress ask the model to repeat the context
+first (`instructed`: words from the tokenizer, `decode.kvzip_read.RepeatFrame`), which scored no
+better on RULER at 4k (docs/benchmarks.md). `pool="layer"` keeps each layer's budget as it is
+(kvpress's `layerwise=True`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +31,18 @@ from sparsegen.errors import SparsegenError
 from sparsegen.kv.policy import KEEP, Policy, Sizes, attention_chunks, register_policy
 
 POOLS = ("model", "layer")
+SCOPES = ("cache", "chunk")
+
+
+class Probe(NamedTuple):
+    """One re-read: the context's tokens [first, stop) read again after it, the cue [first, start)
+    then the chunk [start, stop) it scores. `sinks`: with a chunk-scoped softmax, the first tokens
+    it keeps beside the chunk and its copy (None: the model's softmax over all the re-read sees)."""
+
+    first: int
+    start: int
+    stop: int
+    sinks: int | None = None
 
 
 @register_policy
@@ -51,6 +66,14 @@ class KVzipPolicy(Policy):
     pool: str = "model"
     """"model": every layer's heavy slots in one pool, the highest peaks of the whole model;
     "layer": each layer keeps the budget's count per head, its heads pooled."""
+    scope: str = "chunk"
+    """What a re-read query's attention is normalised over where it scores: "chunk", the first `sinks`
+    tokens, the chunk and its copy only (the paper's and kvpress's), so a chunk's scores do not
+    shrink as the context holds more chunks; "cache", all it sees (the model's own softmax, as the
+    next layer reads it)."""
+    instructed: bool = False
+    """Re-read each chunk after an instruction to repeat the context, in the model's chat turn (the
+    paper's; `decode.kvzip_read.RepeatFrame`, built from the tokenizer), instead of bare."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,11 +81,15 @@ class KVzipPolicy(Policy):
             raise SparsegenError(f"kvzip needs chunk >= 1 and cue >= 0, got chunk={self.chunk}, cue={self.cue}")
         if self.pool not in POOLS:
             raise SparsegenError(f"kvzip's pool is one of {', '.join(POOLS)}, got {self.pool!r}")
+        if self.scope not in SCOPES:
+            raise SparsegenError(f"kvzip's scope is one of {', '.join(SCOPES)}, got {self.scope!r}")
 
-    def probes(self, length: int) -> list[tuple[int, int, int]]:
-        """How a `length`-token context is re-read: (first token read, first scored, end) per chunk."""
+    def probes(self, length: int) -> list[Probe]:
+        """How a `length`-token context is re-read, chunk by chunk."""
+        sinks = self.sinks if self.scope == "chunk" else None
         return [
-            (max(0, start - self.cue), start, min(length, start + self.chunk)) for start in range(0, length, self.chunk)
+            Probe(max(0, start - self.cue), start, min(length, start + self.chunk), sinks)
+            for start in range(0, length, self.chunk)
         ]
 
     def score(self, step):
@@ -106,16 +133,25 @@ def model_pool(sizes: list[Sizes], scores: list[torch.Tensor]) -> list[Sizes]:
     return [Sizes(size.sinks, count, size.recent) for size, count in zip(sizes, counts, strict=True)]
 
 
-def attention_and_peaks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+def attention_and_peaks(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, probe: Probe | None = None
+):
     """One attention call computed by hand, with what KVzip scores by: the output [b, q, hq, d] (as
     transformers' attention functions return it) and the most attention any query of its group
     paid each key, float32 [b, hkv, s]. One pass instead of the model's attention and a second
-    scoring pass over the same queries and keys."""
+    scoring pass over the same queries and keys. With a chunk-scoped `probe`, the scores are each
+    query's probabilities renormalised over the probe's sinks, its chunk and the new keys (the
+    output stays the model's)."""
     b, hq, q, d = query.shape
     hkv, s = keys.shape[1], keys.shape[2]
     out = torch.empty(b, hkv, hq // hkv, q, d, dtype=torch.float32, device=query.device)
     peak = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
+    scoped = probe is not None and probe.sinks is not None
     for start, stop, seen, probabilities in attention_chunks(query, keys, scaling):
-        torch.maximum(peak[..., :seen], probabilities.amax(dim=2), out=peak[..., :seen])
+        scores = probabilities
+        if scoped:
+            within = probabilities[..., : probe.sinks].sum(-1, keepdim=True) + probabilities[..., s - q :].sum(-1, True)
+            scores = probabilities / (within + probabilities[..., probe.start : probe.stop].sum(-1, keepdim=True))
+        torch.maximum(peak[..., :seen], scores.amax(dim=2), out=peak[..., :seen])
         out[:, :, :, start:stop] = (probabilities @ values[..., :seen, :].float()).view(b, hkv, -1, stop - start, d)
     return out.view(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous(), peak

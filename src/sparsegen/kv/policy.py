@@ -185,8 +185,9 @@ class Policy(ABC):
     read, then keep every new token), `head_adaptive` (a prefill-only policy whose layer keeps its
     heads' budgets as one pool, the highest priorities of the whole layer: `kv.ragged`),
     `reconstructs` (scores with `Step.reconstruction`, which `decode.reading.read` computes by letting
-    the model re-read the prompt), `reads_keys` (scores from `Step.keys` while decoding: the fast
-    path then reads them as numbers). Budget parts are the fields named sinks, heavy, recent.
+    the model re-read the prompt; `instructed` where it asks the model to repeat it, in words from
+    the tokenizer: `decode.kvzip_read.RepeatFrame`), `reads_keys` (scores from `Step.keys` while
+    decoding: the fast path then reads them as numbers). Budget parts are the fields named sinks, heavy, recent.
 
     `compress_every`, every policy's one shared setting, is when a policy that evicts while
     decoding does so: 1 (the default) gives up one token a step; N lets N tokens in beyond the
@@ -200,6 +201,7 @@ class Policy(ABC):
     prefill_only: ClassVar[bool] = False
     head_adaptive: ClassVar[bool] = False
     reconstructs: ClassVar[bool] = False
+    instructed: ClassVar[bool] = False
     reads_keys: ClassVar[bool] = False
 
     compress_every: int = field(default=1, kw_only=True)

@@ -10,13 +10,10 @@ per iteration. Rows join after their prefill and leave when done (stop token, st
 one chunk (a policy that compresses the prompt once reads a new prompt whole, so its choice sees
 all of it; a cancel still stops that read within one decoder layer).
 
-Chat answers leave their cache held between requests (`serve.conversations`), counted against
-the same KV memory. With `compile=True` the default lane's step (the server's own policy and
-bits) is compiled in a thread while the engine already serves eagerly (`serve.compiling`), once for
-one row and once for any other row count (`Decoder(rows_vary=True)`), so rows joining and leaving
-never compile it again; once it is ready new rows take it and the rows decoding eagerly finish in
-their own lane. Lanes that requests open with other settings step eagerly.
-"""
+Chat answers leave their cache held between requests (`serve.conversations`), counted against the
+same KV memory. With `compile=True` the default lane's step (the server's policy and bits) is
+compiled in a thread while the engine serves eagerly (`serve.compiling`), once for one row and once
+for any other row count (`Decoder(rows_vary=True)`); new rows then take it. Other lanes step eagerly."""
 
 from __future__ import annotations
 
@@ -32,6 +29,7 @@ import torch
 from prometheus_client import generate_latest
 
 from sparsegen.decode import Decoder
+from sparsegen.decode.kvzip_read import repeat_frame
 from sparsegen.decode.reading import Abandoned, packable, read, read_packed, reads_whole
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, pack_weights, restore_linears, use_gemv
@@ -277,8 +275,11 @@ class Engine:
     def _read_chunk(self, job: Job) -> None:
         size = len(job.to_read) if reads_whole(job.cache) else self.prefill_chunk
         chunk, job.to_read = job.to_read[:size], job.to_read[size:]
+        frame = repeat_frame(self.tokenizer) if job.cache.policy.instructed else None  # kvzip's ask to repeat
         try:
-            logits = read(self.model, chunk, job.cache, all_logits=job.request.echo, stop=job.cancelled.is_set)
+            logits = read(
+                self.model, chunk, job.cache, all_logits=job.request.echo, stop=job.cancelled.is_set, frame=frame
+            )
         except Abandoned:
             self._drop(job)
             return

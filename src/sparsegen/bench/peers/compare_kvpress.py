@@ -39,11 +39,13 @@ Expected differences, from the math of each side:
 - kvzip: both score a context token by the most attention its group pays it while the model
   re-reads its chunk (2048 tokens, the next chunk cued by the previous one's last 8), sinks kept,
   one pool for the whole model (kvpress's default `layerwise=False`; sparsegen rounds each layer's
-  share to whole tokens per head, kvpress prunes any count). kvpress puts "Repeat the previous context
-  exactly." and the chat template's turn change before each re-read chunk and takes the softmax
-  over the sinks, the chunk and its copy only; sparsegen re-reads the bare tokens under the
-  model's own attention over the whole cache. So the kept sets overlap without being identical,
-  and the RULER scores are what is compared.
+  share to whole tokens per head, kvpress prunes any count), each query's attention renormalised
+  over the sinks, the chunk and its copy (sparsegen's default `scope="chunk"`). kvpress asks the
+  model to repeat the context before each re-read chunk, in the chat template's turn; sparsegen
+  re-reads the bare tokens by default (`instructed=True` asks in its own words, other ids than
+  kvpress's), and its chunks start at the context's first token where kvpress's start after the
+  chat template's opening. So the kept sets overlap without being identical, and the RULER scores
+  are what is compared.
 - Not compared: DuoAttention (kvpress downloads its head patterns from the Hub, offline here; and
   sparsegen calibrates its own).
 """

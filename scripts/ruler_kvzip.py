@@ -1,10 +1,12 @@
-"""KVzip's two pools on the same RULER samples: `pool="model"` (one pool over every layer's heads,
-the paper's and kvpress's default) and `pool="layer"` (each layer keeps the budget), each context
-read and re-read once for all cells (`SharedPrefill`), the full cache beside them. Appends one JSON
-line per cell to OUT/records.jsonl and skips the samples already there (resumable); the samples
-are `sparsegen eval ruler`'s (seed 42, kept in OUT/samples).
+"""KVzip's settings side by side on the same RULER samples: each context read once (`SharedPrefill`)
+and re-read once per distinct re-reading, every variant at each ratio and the full cache decoded
+from it. Appends one JSON line per cell to OUT/records.jsonl and skips the samples already there
+(resumable); the samples are `sparsegen eval ruler`'s (seed 42, kept in OUT/samples).
 
-Usage: python scripts/ruler_kvzip_pools.py [MODEL] [LENGTH] [SAMPLES] [OUT]
+Usage: python scripts/ruler_kvzip.py MODEL LENGTH SAMPLES OUT NAME=SETTINGS [NAME=SETTINGS ...]
+SETTINGS are kvzip's fields as key:value pairs joined by "," ("-" for none), e.g.
+  pool=pool:model layer=pool:layer  (the twenty-ninth session's run)
+  bare=- chunk=scope:chunk asked=scope:chunk,instructed:true
 """
 
 import json
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 from sparsegen.decode import generate
+from sparsegen.decode.kvzip_read import repeat_frame
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.eval.ruler import clean, kept_tokens
 from sparsegen.eval.ruler_data import make_samples, task_table
@@ -23,7 +26,13 @@ from sparsegen.loading import load
 RATIOS = (0.75, 0.875, 0.9375)
 
 
-def main(model_name: str, length: int, samples: int, out: Path) -> None:
+def settings(text: str) -> dict:
+    """ "key:value,key:value" as kvzip's settings (true/false as booleans)."""
+    pairs = [] if text == "-" else [pair.split(":", 1) for pair in text.split(",")]
+    return {key: {"true": True, "false": False}.get(value, value) for key, value in pairs}
+
+
+def main(model_name: str, length: int, samples: int, out: Path, variants: dict[str, dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load(model_name)
     records = out / "records.jsonl"
@@ -35,16 +44,17 @@ def main(model_name: str, length: int, samples: int, out: Path) -> None:
     tasks = list(task_table())
     todo = [sample for task in tasks for sample in make_samples(tokenizer, task, length, samples, 42, out)]
     todo.sort(key=lambda sample: (sample.index, tasks.index(sample.task)))  # every task once, then again
+    frame = repeat_frame(tokenizer)
     with policy_attention(model):
         for sample in (s for s in todo if (s.task, s.index) not in done):
             started = time.perf_counter()
             special = not getattr(tokenizer, "chat_template", None)
             context = tokenizer(sample.context, add_special_tokens=special)["input_ids"]
             question = tokenizer(sample.question, add_special_tokens=False)["input_ids"]
-            shared = SharedPrefill(model, context)
+            shared = SharedPrefill(model, context, frame)
             cells = [("full", 0.0, KVSpec.of("full"))] + [
-                (f"kvzip-{pool}", ratio, KVSpec.of("kvzip", budget=kept_tokens(len(context), ratio), pool=pool))
-                for pool in ("model", "layer")
+                (name, ratio, KVSpec.of("kvzip", budget=kept_tokens(len(context), ratio), **chosen))
+                for name, chosen in variants.items()
                 for ratio in RATIOS
             ]
             setting = task_table()[sample.task]
@@ -69,10 +79,7 @@ def main(model_name: str, length: int, samples: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    arguments = sys.argv[1:] + [None] * 4
-    main(
-        arguments[0] or "qwen2.5-coder-1.5b",
-        int(arguments[1] or 4096),
-        int(arguments[2] or 2),
-        Path(arguments[3] or "results/ruler-kvzip-pools"),
-    )
+    if len(sys.argv) < 6:
+        sys.exit(__doc__)
+    named = dict(variant.split("=", 1) for variant in sys.argv[5:])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), {k: settings(v) for k, v in named.items()})
