@@ -22,7 +22,7 @@ def _reference_scores(
     """Per full-attention layer, float64 [h, n]: every chunk re-read after the context in one dense
     eager forward (inside `frame`'s words where given); a token scores the most attention any query
     of its group gave it while its chunk was re-read (with `scoped`, each query's attention divided
-    by what it gave the first `scoped` tokens, the chunk and the re-read's own tokens)."""
+    by what it gave the first `scoped` tokens, the chunk and the re-read's own tokens, each once)."""
     config = model.config.get_text_config(decoder=True)
     n, group = len(ids), config.num_attention_heads // config.num_key_value_heads
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
@@ -37,7 +37,7 @@ def _reference_scores(
         for layer in scores:
             seen = weights[layer][0, :, n:].double()  # [hq, re-read queries, every key]
             if scoped is not None:
-                scope = [*range(scoped), *range(start, stop), *range(n, n + len(again))]
+                scope = [*range(min(scoped, start)), *range(start, stop), *range(n, n + len(again))]
                 seen = seen / seen[..., scope].sum(-1, keepdim=True)
             seen = seen[..., start:stop]  # [hq, re-read queries, chunk keys]
             grouped = seen.reshape(config.num_key_value_heads, group * seen.shape[1], stop - start)

@@ -85,12 +85,15 @@ class KVzipPolicy(Policy):
             raise SparsegenError(f"kvzip's scope is one of {', '.join(SCOPES)}, got {self.scope!r}")
 
     def probes(self, length: int) -> list[Probe]:
-        """How a `length`-token context is re-read, chunk by chunk."""
-        sinks = self.sinks if self.scope == "chunk" else None
+        """How a `length`-token context is re-read, chunk by chunk (a chunk-scoped softmax keeps the
+        sinks before its chunk: the first chunk holds them itself, counted once)."""
         return [
-            Probe(max(0, start - self.cue), start, min(length, start + self.chunk), sinks)
+            Probe(max(0, start - self.cue), start, min(length, start + self.chunk), self._sinks_before(start))
             for start in range(0, length, self.chunk)
         ]
+
+    def _sinks_before(self, start: int) -> int | None:
+        return min(self.sinks, start) if self.scope == "chunk" else None
 
     def score(self, step):
         if step.reconstruction is not None:
