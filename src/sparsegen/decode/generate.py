@@ -70,7 +70,7 @@ def _new_decoder(model, kv, tokenizer, notify, **settings) -> Decoder:
     """generate()'s own decoder: stderr's notes unless `notify` is given; for a KVzip that asks the
     model to repeat the prompt (`instructed`), the `tokenizer`'s words for it."""
     options = {"notify": notify} if notify is not None else {}
-    if tokenizer is not None and KVSpec.coerce(kv).policy.instructed:
+    if tokenizer is not None and KVSpec.coerce(kv).policy.asks_to_repeat:
         options["frame"] = repeat_frame(tokenizer)
     return Decoder(model, kv, **settings, **options)
 

@@ -109,7 +109,7 @@ class SharedPrefill:
         return call.keys[0], call.values[0]
 
     def _reconstruction(self, policy: Policy) -> list[torch.Tensor | None]:
-        instructed = policy.instructed
+        instructed = policy.asks_to_repeat
         if instructed and self.frame is None:
             raise SparsegenError(
                 f"{policy.name} with instructed=True asks the model to repeat the prompt in words from its "

@@ -84,6 +84,10 @@ class KVzipPolicy(Policy):
         if self.scope not in SCOPES:
             raise SparsegenError(f"kvzip's scope is one of {', '.join(SCOPES)}, got {self.scope!r}")
 
+    @property
+    def asks_to_repeat(self) -> bool:
+        return self.instructed
+
     def probes(self, length: int) -> list[Probe]:
         """How a `length`-token context is re-read, chunk by chunk (a chunk-scoped softmax keeps the
         sinks before its chunk: the first chunk holds them itself, counted once)."""

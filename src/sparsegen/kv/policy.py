@@ -185,7 +185,7 @@ class Policy(ABC):
     read, then keep every new token), `head_adaptive` (a prefill-only policy whose layer keeps its
     heads' budgets as one pool, the highest priorities of the whole layer: `kv.ragged`),
     `reconstructs` (scores with `Step.reconstruction`, which `decode.reading.read` computes by letting
-    the model re-read the prompt; `instructed` where it asks the model to repeat it, in words from
+    the model re-read the prompt; `asks_to_repeat` where it first asks the model to, in words from
     the tokenizer: `decode.kvzip_read.RepeatFrame`), `reads_keys` (scores from `Step.keys` while
     decoding: the fast path then reads them as numbers). Budget parts are the fields named sinks, heavy, recent.
 
@@ -201,7 +201,6 @@ class Policy(ABC):
     prefill_only: ClassVar[bool] = False
     head_adaptive: ClassVar[bool] = False
     reconstructs: ClassVar[bool] = False
-    instructed: ClassVar[bool] = False
     reads_keys: ClassVar[bool] = False
 
     compress_every: int = field(default=1, kw_only=True)
@@ -218,6 +217,11 @@ class Policy(ABC):
                 f"policy {self.name!r} does not evict while decoding: compress_every applies to those that do "
                 "(h2o, tova, rkv, triattention, ...)"
             )
+
+    @property
+    def asks_to_repeat(self) -> bool:
+        """Whether re-reading the prompt (`reconstructs`) first asks the model to repeat it (KVzip's `instructed`)."""
+        return False
 
     def held_at_most(self, budget: int | torch.Tensor) -> int | torch.Tensor:
         """Tokens a holder of `budget` holds at most during a step: the budget, the tokens it lets

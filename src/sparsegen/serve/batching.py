@@ -275,7 +275,7 @@ class Engine:
     def _read_chunk(self, job: Job) -> None:
         size = len(job.to_read) if reads_whole(job.cache) else self.prefill_chunk
         chunk, job.to_read = job.to_read[:size], job.to_read[size:]
-        frame = repeat_frame(self.tokenizer) if job.cache.policy.instructed else None  # kvzip's ask to repeat
+        frame = repeat_frame(self.tokenizer) if job.cache.policy.asks_to_repeat else None  # kvzip's ask to repeat
         try:
             logits = read(
                 self.model, chunk, job.cache, all_logits=job.request.echo, stop=job.cancelled.is_set, frame=frame
