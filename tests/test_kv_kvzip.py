@@ -16,13 +16,34 @@ from tests.conftest import ARCHS, build_tiny, tiny_tokenizer
 from tests.kv_reference import generate_drop_in
 
 
+def _written_over_hidden(model, layer: int, out, n: int) -> torch.Tensor:
+    """KVzip+'s weight [hq, re-read queries, every key], float64: ||W_j v|| of every key's value
+    through query head j's columns of o_proj, over the norm of each re-read query's normed hidden state."""
+    block = model.model.layers[layer]
+    d = block.self_attn.head_dim
+    values = out.past_key_values.layers[layer].values[0].double()  # [hkv, keys, d]
+    weight = block.self_attn.o_proj.weight.double()
+    heads = weight.shape[1] // d
+    group = heads // values.shape[0]
+    written = torch.stack([(values[j // group] @ weight[:, j * d : (j + 1) * d].T).norm(dim=-1) for j in range(heads)])
+    hidden = block.input_layernorm(out.hidden_states[layer])[0, n:].double().norm(dim=-1)
+    return written[:, None, :] / hidden[None, :, None]
+
+
 def _reference_scores(
-    model, ids: list[int], chunk: int, cue: int, scoped: int | None = None, frame: RepeatFrame | None = None
+    model,
+    ids: list[int],
+    chunk: int,
+    cue: int,
+    scoped: int | None = None,
+    frame: RepeatFrame | None = None,
+    weighed: bool = False,
 ) -> dict[int, torch.Tensor]:
     """Per full-attention layer, float64 [h, n]: every chunk re-read after the context in one dense
     eager forward (inside `frame`'s words where given); a token scores the most attention any query
     of its group gave it while its chunk was re-read (with `scoped`, each query's attention divided
-    by what it gave the first `scoped` tokens, the chunk and the re-read's own tokens, each once)."""
+    by what it gave the first `scoped` tokens, the chunk and the re-read's own tokens, each once;
+    `weighed`, then times `_written_over_hidden`)."""
     config = model.config.get_text_config(decoder=True)
     n, group = len(ids), config.num_attention_heads // config.num_key_value_heads
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
@@ -33,15 +54,17 @@ def _reference_scores(
         if frame is not None:
             again = list(frame.first if start == 0 else frame.later) + cued + list(frame.turn) + ids[start:stop]
         with torch.inference_mode():
-            weights = model(torch.tensor([ids + again]), output_attentions=True).attentions
-        for layer in scores:
-            seen = weights[layer][0, :, n:].double()  # [hq, re-read queries, every key]
-            if scoped is not None:
-                scope = [*range(min(scoped, start)), *range(start, stop), *range(n, n + len(again))]
-                seen = seen / seen[..., scope].sum(-1, keepdim=True)
-            seen = seen[..., start:stop]  # [hq, re-read queries, chunk keys]
-            grouped = seen.reshape(config.num_key_value_heads, group * seen.shape[1], stop - start)
-            scores[layer][:, start:stop] = grouped.amax(1)
+            out = model(torch.tensor([ids + again]), output_attentions=True, output_hidden_states=weighed)
+            for layer in scores:
+                seen = out.attentions[layer][0, :, n:].double()  # [hq, re-read queries, every key]
+                if scoped is not None:
+                    scope = [*range(min(scoped, start)), *range(start, stop), *range(n, n + len(again))]
+                    seen = seen / seen[..., scope].sum(-1, keepdim=True)
+                if weighed and types[layer] == "full_attention":  # (a sliding layer's scores are dropped)
+                    seen = seen * _written_over_hidden(model, layer, out, n)
+                seen = seen[..., start:stop]  # [hq, re-read queries, chunk keys]
+                grouped = seen.reshape(config.num_key_value_heads, group * seen.shape[1], stop - start)
+                scores[layer][:, start:stop] = grouped.amax(1)
     return {layer: score for layer, score in scores.items() if types[layer] == "full_attention"}
 
 
@@ -112,6 +135,25 @@ def test_the_papers_reread_chunk_scoped_and_asked_keeps_the_brute_force_sets(arc
             assert layer.kept_positions()[0] == expected[layer.layer_idx], (arch, instructed, layer.layer_idx)
     bare = _reference_kept(model, ids, 2, 9, 16, 3, "model")
     assert any(bare[layer] != expected[layer] for layer in bare)  # the frame and the scope choose other tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kvzip_plus_weighs_by_what_values_write_as_the_brute_force_reference(arch):
+    model = build_tiny(arch, "eager")
+    generator = torch.Generator().manual_seed(10)
+    with torch.no_grad():  # norm weights of ones give every token's normed hidden state the same norm
+        for block in model.model.layers:
+            block.input_layernorm.weight.copy_(torch.rand(block.input_layernorm.weight.shape, generator=generator) * 2)
+    ids = torch.randint(3, 96, (37,), generator=torch.Generator().manual_seed(9)).tolist()
+    spec = KVSpec.of("kvzip", sinks=2, heavy=9, chunk=16, cue=3, output_norms=True)
+    cache = make_cache(model, spec)
+    read(model, ids, cache)
+    expected = _reference_kept(model, ids, 2, 9, 16, 3, "model", scoped=2, weighed=True)
+    for layer in cache.policy_layers():
+        assert layer.kept_positions()[0] == expected[layer.layer_idx], (arch, layer.layer_idx)
+    plain = _reference_kept(model, ids, 2, 9, 16, 3, "model", scoped=2)
+    assert any(plain[layer] != expected[layer] for layer in plain)  # the weights choose other tokens
+    assert not any(block.self_attn._forward_pre_hooks for block in model.model.layers)  # the hooks are gone
 
 
 def test_an_instructed_kvzip_asks_in_the_tokenizers_words_through_generate_and_the_server():

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from sparsegen.kv.attention import policy_attention
-from sparsegen.kv.kvzip import Probe
+from sparsegen.kv.kvzip import OutputNorms, Probe
 from sparsegen.kv.policy_cache import PolicyCache, layer_state, load_layer_state
+from sparsegen.models import decoder_layers
 
 FIRST_ASK = "\n\nRepeat the context above word for word."
 LATER_ASK = "\n\nRepeat the part of the context above word for word, from the words: "
@@ -66,13 +67,15 @@ def reconstruct(
     rows: torch.Tensor,
     probes: tuple[Probe, ...],
     frame: RepeatFrame | None = None,
+    output_norms: bool = False,
 ) -> list[torch.Tensor | None]:
     """Per layer of `record` (the `full` cache of `decode.shared.SharedPrefill` that has just read
     `rows` [b, n]): the most attention each context token received, over its group's queries, while
     the model re-read its chunk after the context, bare or inside `frame` ([b, h, n] float32; None for
-    a layer without a policy). Each recording layer computes its re-reading's attention itself
-    (`probing`), leaving the peaks in its `peak`. `record` holds the context alone again afterwards,
-    its recorded calls those of the context."""
+    a layer without a policy; weighed as KVzip+ weighs them with `output_norms`: `hand_output_norms`).
+    Each recording layer computes its re-reading's attention itself (`probing`), leaving the peaks
+    in its `peak`. `record` holds the context alone again afterwards, its recorded calls those of the
+    context."""
     layers = record.layers
     calls = [getattr(layer, "recorded", None) for layer in layers]
     saved = [layer_state(layer) for layer in layers]
@@ -81,6 +84,7 @@ def reconstruct(
         None if call is None else call.keys.new_zeros(b, call.keys.shape[1], n, dtype=torch.float32) for call in calls
     ]
     probing = [(layer, call) for layer, call in zip(layers, calls, strict=True) if call is not None]
+    hooks = hand_output_norms(model, [layer for layer, _ in probing]) if output_norms else []
     try:
         with policy_attention(model):
             for probe in probes:
@@ -94,6 +98,34 @@ def reconstruct(
                 for layer, state in zip(layers, saved, strict=True):
                     load_layer_state(layer, state)
     finally:
+        for hook in hooks:
+            hook.remove()
         for layer, call in probing:
-            layer.probing, layer.peak, layer.recorded = None, None, call
+            layer.probing, layer.peak, layer.recorded, layer.output_norms = None, None, call, None
     return peaks
+
+
+def hand_output_norms(model: torch.nn.Module, layers: list) -> list:
+    """KVzip+: a hook on each of `layers`' attention modules that, before every call, hands the
+    recording layer its `OutputNorms` (its output projection's per-head Gram, the norms of the hidden
+    states the call reads). The hooks' handles, for the caller to remove."""
+    blocks, handles = decoder_layers(model), []
+    for layer in layers:
+        attention = blocks[layer.layer_idx].self_attn
+        gram = head_grams(attention.o_proj, attention.head_dim, attention.config.num_key_value_heads)
+
+        def hand(module, args, kwargs, layer=layer, gram=gram):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            layer.output_norms = OutputNorms(gram, hidden.float().norm(dim=-1))
+
+        handles.append(attention.register_forward_pre_hook(hand, with_kwargs=True))
+    return handles
+
+
+def head_grams(o_proj: torch.nn.Module, head_dim: int, kv_heads: int) -> torch.Tensor:
+    """W_j^T W_j [kv_heads, group, d, d] of each query head j's columns of `o_proj` (a Linear, or a
+    quantized layer whose `weight()` decodes its blocks), in float32."""
+    weight = o_proj.weight if isinstance(o_proj.weight, torch.Tensor) else o_proj.weight()
+    per_head = weight.float().view(weight.shape[0], -1, head_dim)  # [out, heads, d]
+    gram = torch.einsum("ojd,oje->jde", per_head, per_head)
+    return gram.view(kv_heads, -1, head_dim, head_dim)

@@ -21,7 +21,7 @@ from sparsegen.decode.kvzip_read import RepeatFrame, reconstruct
 from sparsegen.errors import SparsegenError
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
-from sparsegen.kv.kvzip import Probe, attention_and_peaks
+from sparsegen.kv.kvzip import OutputNorms, Probe, attention_and_peaks
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.policy_cache import PolicyCache, layer_state, load_layer_state
 from sparsegen.kv.spec import KVSpec
@@ -47,11 +47,13 @@ class RecordingLayer(PolicyLayer):
     """While KVzip re-reads the context (`decode.kvzip_read.reconstruct`), the chunk it re-reads:
     compute the attention here and keep in `peak` the most attention each key received."""
     peak: torch.Tensor | None = None
+    output_norms: OutputNorms | None = None
+    """KVzip+'s weights for the re-read call about to run (set just before it, where asked)."""
 
     def own_attention(self, query, keys, values, scaling):
         if self.probing is None:
             return super().own_attention(query, keys, values, scaling)
-        out, self.peak = attention_and_peaks(query, keys, values, scaling, self.probing)
+        out, self.peak = attention_and_peaks(query, keys, values, scaling, self.probing, self.output_norms)
         return out
 
     def after_attention(self, query, keys, scaling, weights=None, received=None, values=None) -> None:
@@ -116,8 +118,8 @@ class SharedPrefill:
                 "tokenizer: give the tokenizer (sparsegen.generate(..., tokenizer=...); "
                 "read(..., frame=repeat_frame(tokenizer))), or set instructed=False"
             )
-        key = (tuple(policy.probes(self.length)), instructed)
+        key = (tuple(policy.probes(self.length)), instructed, policy.weighs_writes)
         if key not in self._reconstructions:
             frame = self.frame if instructed else None
-            self._reconstructions[key] = reconstruct(self.model, self.record, self.rows, key[0], frame)
+            self._reconstructions[key] = reconstruct(self.model, self.record, self.rows, key[0], frame, key[2])
         return self._reconstructions[key]

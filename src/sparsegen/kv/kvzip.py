@@ -17,7 +17,7 @@ query's attention is renormalised over the sinks, the chunk and its copy (`scope
 tokenizer needed, base models work too); the paper and kvpress ask the model to repeat the context
 first (`instructed`: words from the tokenizer, `decode.kvzip_read.RepeatFrame`), which scored no
 better on RULER at 4k (docs/benchmarks.md). `pool="layer"` keeps each layer's budget as it is
-(kvpress's `layerwise=True`).
+(kvpress's `layerwise=True`). `output_norms` weighs each probability by what it writes (KVzip+).
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ class Probe(NamedTuple):
     start: int
     stop: int
     sinks: int | None = None
+
+
+class OutputNorms(NamedTuple):
+    """KVzip+'s weights for one layer's re-read call: `gram` [hkv, group, d, d], W_j^T W_j of each
+    query head j's slice of the output projection (so ||W_j v||^2 = v . gram_j v), and `hidden` [b, q],
+    the norm of each re-read token's hidden state entering the attention."""
+
+    gram: torch.Tensor
+    hidden: torch.Tensor
 
 
 @register_policy
@@ -74,6 +83,11 @@ class KVzipPolicy(Policy):
     instructed: bool = False
     """Re-read each chunk after an instruction to repeat the context, in the model's chat turn (the
     paper's; `decode.kvzip_read.RepeatFrame`, built from the tokenizer), instead of bare."""
+    output_norms: bool = False
+    """KVzip+ (the KVzap paper's; kvpress's `kvzip_plus_normalization`): each re-read query's
+    probability of a key times the norm of what that key's value writes through the query head's
+    slice of the output projection, over the norm of the query token's hidden state: a key that
+    draws attention but writes little to the residual stream scores less."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +101,10 @@ class KVzipPolicy(Policy):
     @property
     def asks_to_repeat(self) -> bool:
         return self.instructed
+
+    @property
+    def weighs_writes(self) -> bool:
+        return self.output_norms
 
     def probes(self, length: int) -> list[Probe]:
         """How a `length`-token context is re-read, chunk by chunk (a chunk-scoped softmax keeps the
@@ -141,24 +159,35 @@ def model_pool(sizes: list[Sizes], scores: list[torch.Tensor]) -> list[Sizes]:
 
 
 def attention_and_peaks(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, probe: Probe | None = None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    probe: Probe | None = None,
+    norms: OutputNorms | None = None,
 ):
     """One attention call computed by hand, with what KVzip scores by: the output [b, q, hq, d] (as
     transformers' attention functions return it) and the most attention any query of its group
     paid each key, float32 [b, hkv, s]. One pass instead of the model's attention and a second
     scoring pass over the same queries and keys. With a chunk-scoped `probe`, the scores are each
     query's probabilities renormalised over the probe's sinks, its chunk and the new keys (the
-    output stays the model's)."""
+    output stays the model's); with `norms`, KVzip+'s weights on the scores (`OutputNorms`)."""
     b, hq, q, d = query.shape
     hkv, s = keys.shape[1], keys.shape[2]
     out = torch.empty(b, hkv, hq // hkv, q, d, dtype=torch.float32, device=query.device)
     peak = torch.zeros(b, hkv, s, dtype=torch.float32, device=query.device)
     scoped = probe is not None and probe.sinks is not None
+    if norms is not None:  # ||W_j v|| of every key for every query head j [b, hkv, group, s]
+        held = values.float()
+        written = torch.einsum("bksd,kgde,bkse->bkgs", held, norms.gram, held).clamp_min(0).sqrt()
     for start, stop, seen, probabilities in attention_chunks(query, keys, scaling):
         scores = probabilities
         if scoped:
             within = probabilities[..., : probe.sinks].sum(-1, keepdim=True) + probabilities[..., s - q :].sum(-1, True)
             scores = probabilities / (within + probabilities[..., probe.start : probe.stop].sum(-1, keepdim=True))
+        if norms is not None:  # rows group-major: head j's queries start:stop together
+            weight = written[..., None, :seen] / norms.hidden[:, None, None, start:stop, None]
+            scores = scores * weight.reshape(b, hkv, -1, seen)
         torch.maximum(peak[..., :seen], scores.amax(dim=2), out=peak[..., :seen])
         out[:, :, :, start:stop] = (probabilities @ values[..., :seen, :].float()).view(b, hkv, -1, stop - start, d)
     return out.view(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous(), peak

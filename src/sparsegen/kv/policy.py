@@ -223,6 +223,11 @@ class Policy(ABC):
         """Whether re-reading the prompt (`reconstructs`) first asks the model to repeat it (KVzip's `instructed`)."""
         return False
 
+    @property
+    def weighs_writes(self) -> bool:
+        """Whether re-reading's scores weigh each probability by what its value writes (KVzip+'s `output_norms`)."""
+        return False
+
     def held_at_most(self, budget: int | torch.Tensor) -> int | torch.Tensor:
         """Tokens a holder of `budget` holds at most during a step: the budget, the tokens it lets
         in beyond it until it compresses (`compress_every` - 1), and the one in flight."""

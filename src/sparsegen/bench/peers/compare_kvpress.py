@@ -12,11 +12,13 @@ dependencies beyond torch and transformers). The environment used:
     python -m sparsegen.bench.peers.compare_kvpress --kvpress-python /tmp/kvpvenv/bin/python \\
         --tasks niah_single_1,niah_single_2 --length 4096 --samples 1 --ratios 0.5,0.75 --out results/kvpress
 
-Both sides read the default model's fp32 safetensors folder (transformers 5.2 reads its config as
-written by 5.24) and the same context and question ids, tokenized as `eval.ruler.score_sample`
-does; kvpress compresses the context alone (its query-agnostic protocol) and both decode greedily
-with the question at positions continuing from the original context length. Both stop at
-sparsegen's `stop_tokens` (kvpress's pipeline would use the generation config's EOS alone).
+Both sides read the same fp32 safetensors folder (transformers 5.2 reads its config as written by
+5.24): the default model's, or `--model`'s (an embedded GGUF model's blocks dequantized once by
+transformers, as `load(name, gguf_blocks=False)` reads them), and the same context and question
+ids, tokenized as `eval.ruler.score_sample` does; kvpress compresses the context alone (its
+query-agnostic protocol) and both decode greedily with the question at positions continuing from
+the original context length. Both stop at sparsegen's `stop_tokens` (kvpress's pipeline would use
+the generation config's EOS alone).
 
 Expected differences, from the math of each side:
 - streaming, knorm, keydiff: the same kept sets (knorm/keydiff up to float ties). Streaming's
@@ -218,6 +220,7 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kvpress-python", required=True, help="python of an environment with kvpress 0.5.5")
+    parser.add_argument("--model", default=None, help="an embedded name or a transformers folder (default model)")
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=1)
@@ -241,17 +244,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown press(es) {unknown}; known: {', '.join(PRESSES)}")
     cells = [(p, float(r)) for p in presses for r in args.ratios.split(",")]
     torch.set_grad_enabled(False)
-    model, tokenizer = load()
+    # both sides read the same fp32 safetensors folder (a GGUF model's blocks dequantized once)
+    model_dir = resolve_model_path(args.model or DEFAULT_MODEL, gguf_blocks=False)
+    model, tokenizer = load(model_dir, dtype=torch.float32)
     stops = sorted(stop_tokens(model, tokenizer))
+    del model  # kvpress's side loads its own copy: one model in memory at a time
     samples = make_inputs(tokenizer, args.tasks.split(","), args.length, args.samples, args.seed, args.out)
     job = {
-        "model_dir": resolve_model_path(DEFAULT_MODEL),
+        "model_dir": model_dir,
         "samples": [{k: s[k] for k in ("id", "context_ids", "question_ids", "max_new_tokens")} for s in samples],
         "presses": [{"name": p, "ratio": r} for p, r in cells],
         "eos_ids": stops,
     }
     made = run_worker(args.kvpress_python, job, args.out)
     theirs = {(r["id"], r["press"], r["ratio"]): r for r in made["results"]}
+    model, _ = load(model_dir, dtype=torch.float32)  # after kvpress's side: one model in memory at a time
     rows = []
     for sample in samples:
         rows += compare_sample(tokenizer, sample, sparsegen_side(model, sample, cells, stops), theirs)
