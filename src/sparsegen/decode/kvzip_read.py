@@ -84,8 +84,10 @@ def reconstruct(
         None if call is None else call.keys.new_zeros(b, call.keys.shape[1], n, dtype=torch.float32) for call in calls
     ]
     probing = [(layer, call) for layer, call in zip(layers, calls, strict=True) if call is not None]
-    hooks = hand_output_norms(model, [layer for layer, _ in probing]) if output_norms else []
+    hooks: list = []
     try:
+        if output_norms:
+            hand_output_norms(model, [layer for layer, _ in probing], hooks)
         with policy_attention(model):
             for probe in probes:
                 for layer, _ in probing:
@@ -105,11 +107,11 @@ def reconstruct(
     return peaks
 
 
-def hand_output_norms(model: torch.nn.Module, layers: list) -> list:
+def hand_output_norms(model: torch.nn.Module, layers: list, handles: list) -> None:
     """KVzip+: a hook on each of `layers`' attention modules that, before every call, hands the
     recording layer its `OutputNorms` (its output projection's per-head Gram, the norms of the hidden
-    states the call reads). The hooks' handles, for the caller to remove."""
-    blocks, handles = decoder_layers(model), []
+    states the call reads). Each hook's handle goes into `handles` as it is made, for the caller to remove."""
+    blocks = decoder_layers(model)
     for layer in layers:
         attention = blocks[layer.layer_idx].self_attn
         gram = head_grams(attention.o_proj, attention.head_dim, attention.config.num_key_value_heads)
@@ -119,7 +121,6 @@ def hand_output_norms(model: torch.nn.Module, layers: list) -> list:
             layer.output_norms = OutputNorms(gram, hidden.float().norm(dim=-1))
 
         handles.append(attention.register_forward_pre_hook(hand, with_kwargs=True))
-    return handles
 
 
 def head_grams(o_proj: torch.nn.Module, head_dim: int, kv_heads: int) -> torch.Tensor:
