@@ -248,7 +248,6 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_path(args.model or DEFAULT_MODEL, gguf_blocks=False)
     model, tokenizer = load(model_dir, dtype=torch.float32)
     stops = sorted(stop_tokens(model, tokenizer))
-    del model  # kvpress's side loads its own copy: one model in memory at a time
     samples = make_inputs(tokenizer, args.tasks.split(","), args.length, args.samples, args.seed, args.out)
     job = {
         "model_dir": model_dir,
@@ -258,7 +257,6 @@ def main(argv: list[str] | None = None) -> None:
     }
     made = run_worker(args.kvpress_python, job, args.out)
     theirs = {(r["id"], r["press"], r["ratio"]): r for r in made["results"]}
-    model, _ = load(model_dir, dtype=torch.float32)  # after kvpress's side: one model in memory at a time
     rows = []
     for sample in samples:
         rows += compare_sample(tokenizer, sample, sparsegen_side(model, sample, cells, stops), theirs)
