@@ -237,18 +237,6 @@ float plain_block_product(int64_t format, const uint8_t* block, const Rounded& r
   return step * (p.factor * static_cast<float>(scaled) - p.offset_factor * static_cast<float>(offsets));
 }
 
-// One block decoded into its per_block floats of a weight row, as plain_decode reads it.
-template <typename T>
-void decode_block(int64_t format, const uint8_t* block, T* row) {
-  PlainBlock p;
-  plain_decode(format, block, p);
-  for (int64_t j = 0; j < info_of(format).per_block; ++j) {
-    const int64_t k = j / 16;
-    row[j] = static_cast<T>(p.factor * static_cast<float>(p.scale[k]) * static_cast<float>(p.code[j]) -
-                            p.offset_factor * static_cast<float>(p.offset[k]));
-  }
-}
-
 #ifdef SPARSEGEN_AVX2
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }

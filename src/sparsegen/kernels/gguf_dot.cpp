@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "gguf_blocks.h"
+#include "gguf_decode.h"
 #include "gguf_panels.h"
 
 #include <algorithm>

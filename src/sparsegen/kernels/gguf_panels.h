@@ -56,9 +56,36 @@ void permute_panels(const uint8_t* from, uint8_t* to, int64_t format, int64_t ou
   });
 }
 
+// Where each 4 bytes of row r's file block start in its panel-block, or -1 where they are not together
+// there (fp16 factors, Q4_K's scale bytes): [kPanel][block_bytes / 4 + 1], per format, built once.
+inline const std::vector<int32_t>& panel_quads(int64_t format) {
+  static const auto build = [](int64_t f) {
+    const int64_t quads = info_of(f).block_bytes / 4 + 1;
+    std::vector<int32_t> at(kPanel * quads, -1);
+    for (int64_t r = 0; r < kPanel; ++r)
+      for (int64_t q = 0; 4 * q + 3 < info_of(f).block_bytes; ++q) {
+        const int64_t first = panel_byte(f, r, 4 * q);
+        bool together = true;
+        for (int64_t i = 1; i < 4; ++i) together = together && panel_byte(f, r, 4 * q + i) == first + i;
+        if (together) at[r * quads + q] = static_cast<int32_t>(first);
+      }
+    return at;
+  };
+  static const std::vector<int32_t> q4_0 = build(kQ4_0), q4_1 = build(kQ4_1), q4_k = build(kQ4_K), q6_k = build(kQ6_K);
+  return format == kQ4_0 ? q4_0 : format == kQ4_1 ? q4_1 : format == kQ4_K ? q4_k : q6_k;
+}
+
 // Row r's file block put back together from its panel-block (the paths without a panel kernel).
 inline void file_block_of(const uint8_t* panel_block, int64_t format, int64_t r, uint8_t* block) {
-  for (int64_t j = 0; j < info_of(format).block_bytes; ++j) block[j] = panel_block[panel_byte(format, r, j)];
+  const int64_t bytes = info_of(format).block_bytes, quads = bytes / 4 + 1;
+  const int32_t* at = panel_quads(format).data() + r * quads;
+  for (int64_t q = 0; 4 * q < bytes; ++q) {
+    if (at[q] >= 0) {
+      std::memcpy(block + 4 * q, panel_block + at[q], 4);
+      continue;
+    }
+    for (int64_t j = 4 * q; j < std::min<int64_t>(4 * q + 4, bytes); ++j) block[j] = panel_block[panel_byte(format, r, j)];
+  }
 }
 
 // Panels decoded block by block, each row's file block gathered back first (the K-quants' prompt GEMM).
@@ -94,13 +121,14 @@ void decode_panels(const uint8_t* w, int64_t format, int64_t in, int64_t out_fea
         const uint8_t* panel = w + (p * blocks + b) * kPanel * block_bytes;
         for (int64_t r = 0; r < kPanel; ++r) {
           const float d = half_at(panel + 2 * r), m = has_min ? half_at(panel + 16 + 2 * r) : 0.f;
-          T* row = o + (p * kPanel + r) * in + b * 32;
+          int32_t code[32];
           for (int64_t q = 0; q < 16; ++q) {
             const uint8_t byte = panel[codes + 32 * (q / 4) + 4 * r + q % 4];
-            const int32_t low = (byte & 15) - (has_min ? 0 : 8), high = (byte >> 4) - (has_min ? 0 : 8);
-            row[q] = static_cast<T>(d * static_cast<float>(low) - m * (has_min ? -1.f : 0.f));
-            row[q + 16] = static_cast<T>(d * static_cast<float>(high) - m * (has_min ? -1.f : 0.f));
+            code[q] = (byte & 15) - (has_min ? 0 : 8), code[q + 16] = (byte >> 4) - (has_min ? 0 : 8);
           }
+          float v[32];
+          scaled_codes(code, 32, d, m * (has_min ? -1.f : 0.f), v);
+          store_floats(v, 32, o + (p * kPanel + r) * in + b * 32);
         }
       }
     }
