@@ -1,8 +1,9 @@
 """Time the GGUF block kernels per format on the two models' shapes, in the file's order
 (`sparsegen::gguf_linear`) and as panels (`gguf_panel_linear`, the formats a load repacks), at 1, 8,
 128 and 2,048 input rows (a prompt read's GEMM): milliseconds a call, GB/s of blocks read, and GOP/s
-(2 x rows x out x in). Random blocks (tests/test_gguf_blocks.py's generator); nothing else should run
-meanwhile. For an A/B of two checkouts run it with each one's `src` first on PYTHONPATH, in turn.
+(2 x rows x out x in); and each tensor decoded whole to bf16 ("bf16 decode": what a prompt's bf16 GEMM
+multiplies where the CPU has AMX). Random blocks (tests/test_gguf_blocks.py's generator); nothing else
+should run meanwhile. For an A/B of two checkouts run it with each one's `src` first on PYTHONPATH, in turn.
 
 Usage: python scripts/gguf_dot_timing.py [THREADS] [ROWS,...]
 """
@@ -34,6 +35,17 @@ def seconds_per_call(call, budget_s: float = 1.0) -> float:
     return sorted(times)[len(times) // 2]
 
 
+DECODERS = {"file": "gguf_weight", "panels": "gguf_panel_weight"}  # the ops, once the kernels are loaded
+
+
+def bf16_decode_row(name: str, format_name: str, order: str, held: torch.Tensor, inputs: int, rate_bytes: int) -> str:
+    """A table row: the whole tensor `held` decoded to bf16 by `order`'s decoder."""
+    qtype = int(GGMLQuantizationType[format_name])
+    decode = getattr(torch.ops.sparsegen, DECODERS[order])
+    s = seconds_per_call(lambda: decode(held, qtype, inputs, torch.bfloat16))
+    return f"| {name} | {format_name} | {order} | bf16 decode | {s * 1e3:.3f} | {rate_bytes / s / 1e9:.1f} | - |"
+
+
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())
     row_counts = [int(n) for n in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8, 128, 2048]
@@ -50,6 +62,7 @@ def main() -> None:
                 panels = torch.ops.sparsegen.gguf_panels(blocks, int(qtype), inputs, False)
                 orders["panels"] = (torch.ops.sparsegen.gguf_panel_linear, panels)
             for order, (op, held) in orders.items():
+                print(bf16_decode_row(name, format_name, order, held, inputs, blocks.numel()))
                 for rows in row_counts:
                     args = (torch.randn(rows, inputs), held, int(qtype), inputs)
                     s = seconds_per_call(lambda op=op, args=args: op(*args))
