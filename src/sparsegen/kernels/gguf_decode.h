@@ -64,21 +64,13 @@ inline void decode_q6_k(const uint8_t* b, float* v) {
       float* out = v + 128 * n + 16 * half;
       for (int l = 16 * half; l < 16 * half + 16; ++l) {
         const int32_t h = qh[l], first = ql[l], second = ql[l + 32];
-        out[l - 16 * half] = a[0] * static_cast<float>(((first & 15) | ((h & 3) << 4)) - 32) - 0.f;
-        out[l - 16 * half + 32] = a[1] * static_cast<float>(((second & 15) | (((h >> 2) & 3) << 4)) - 32) - 0.f;
-        out[l - 16 * half + 64] = a[2] * static_cast<float>(((first >> 4) | (((h >> 4) & 3) << 4)) - 32) - 0.f;
-        out[l - 16 * half + 96] = a[3] * static_cast<float>(((second >> 4) | (((h >> 6) & 3) << 4)) - 32) - 0.f;
+        out[l - 16 * half] = a[0] * static_cast<float>(((first & 15) | ((h & 3) << 4)) - 32);
+        out[l - 16 * half + 32] = a[1] * static_cast<float>(((second & 15) | (((h >> 2) & 3) << 4)) - 32);
+        out[l - 16 * half + 64] = a[2] * static_cast<float>(((first >> 4) | (((h >> 4) & 3) << 4)) - 32);
+        out[l - 16 * half + 96] = a[3] * static_cast<float>(((second >> 4) | (((h >> 6) & 3) << 4)) - 32);
       }
     }
   }
-}
-
-// The formats of 32: one scale for the block, Q4_1/Q5_1's minimum an offset of -1 * m.
-inline void decode_32(int64_t format, const uint8_t* b, float* v) {
-  PlainBlock p;
-  plain_decode(format, b, p);
-  scaled_codes(p.code, 32, p.factor * static_cast<float>(p.scale[0]),
-               p.offset_factor * static_cast<float>(p.offset[0]), v);
 }
 
 // One block decoded into its per_block floats of a weight row, as plain_decode reads it.
@@ -89,12 +81,10 @@ void decode_block(int64_t format, const uint8_t* block, T* row) {
     decode_q4_k(block, v);
   } else if (format == kQ6_K) {
     decode_q6_k(block, v);
-  } else if (!info_of(format).k_quant) {
-    decode_32(format, block, v);
-  } else {  // Q5_K
+  } else {  // the formats of 32 (one scale, set for both halves) and Q5_K: plain_decode's codes
     PlainBlock p;
     plain_decode(format, block, p);
-    for (int k = 0; k < 16; ++k)
+    for (int k = 0; k < info_of(format).per_block / 16; ++k)
       scaled_codes(p.code + 16 * k, 16, p.factor * static_cast<float>(p.scale[k]),
                    p.offset_factor * static_cast<float>(p.offset[k]), v + 16 * k);
   }

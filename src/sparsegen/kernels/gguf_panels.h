@@ -71,7 +71,8 @@ inline const std::vector<int32_t>& panel_quads(int64_t format) {
       }
     return at;
   };
-  static const std::vector<int32_t> q4_0 = build(kQ4_0), q4_1 = build(kQ4_1), q4_k = build(kQ4_K), q6_k = build(kQ6_K);
+  static const std::vector<int32_t> q4_0 = build(kQ4_0), q4_1 = build(kQ4_1);
+  static const std::vector<int32_t> q4_k = build(kQ4_K), q6_k = build(kQ6_K);
   return format == kQ4_0 ? q4_0 : format == kQ4_1 ? q4_1 : format == kQ4_K ? q4_k : q6_k;
 }
 
@@ -84,7 +85,8 @@ inline void file_block_of(const uint8_t* panel_block, int64_t format, int64_t r,
       std::memcpy(block + 4 * q, panel_block + at[q], 4);
       continue;
     }
-    for (int64_t j = 4 * q; j < std::min<int64_t>(4 * q + 4, bytes); ++j) block[j] = panel_block[panel_byte(format, r, j)];
+    for (int64_t j = 4 * q; j < std::min<int64_t>(4 * q + 4, bytes); ++j)
+      block[j] = panel_block[panel_byte(format, r, j)];
   }
 }
 
