@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsegen import few_rows
-from sparsegen.few_rows import FLOAT_ROWS_MAX, float_rows_op, linear, pack_weights
+from sparsegen.few_rows import BF16_PANEL_ROWS, FLOAT_ROWS_MAX, float_rows_op, linear, pack_weights
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -81,13 +81,19 @@ def test_linear_with_and_without_the_kernel_equals_f_linear(rows):
         torch.testing.assert_close(linear(x, weight, bias, packed), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 5, FLOAT_ROWS_MAX, FLOAT_ROWS_MAX + 1])
-def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows):
-    """bf16 rows over bf16 panels: the kernel up to FLOAT_ROWS_MAX rows (within a bf16 rounding of
-    F.linear), F.linear itself beyond (a prompt read keeps oneDNN's bf16 GEMM, AMX where present)."""
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, FLOAT_ROWS_MAX, FLOAT_ROWS_MAX + 1, BF16_PANEL_ROWS, BF16_PANEL_ROWS + 1])
+def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows, amx, monkeypatch):
+    """bf16 rows over bf16 panels: the kernel up to `bf16_panel_rows()` (within a bf16 rounding of
+    F.linear), F.linear itself beyond (oneDNN's bf16 GEMM); with AMX the kernel only to FLOAT_ROWS_MAX."""
+    monkeypatch.setattr(few_rows, "cpu_flags", lambda: frozenset({"amx_bf16"} if amx else {"avx512_bf16"}))
+    few_rows.bf16_panel_rows.cache_clear()
     x, weight = torch.randn(rows, 48).bfloat16(), torch.randn(24, 48).bfloat16()
-    got, expected = linear(x, weight, None, pack(weight)), torch.nn.functional.linear(x, weight)
-    if rows > FLOAT_ROWS_MAX:
+    try:
+        got, expected = linear(x, weight, None, pack(weight)), torch.nn.functional.linear(x, weight)
+    finally:
+        few_rows.bf16_panel_rows.cache_clear()
+    if rows > (FLOAT_ROWS_MAX if amx else BF16_PANEL_ROWS):
         assert torch.equal(got, expected)
     else:
         torch.testing.assert_close(got, expected, rtol=1 / 128, atol=1e-2)

@@ -11,10 +11,22 @@ from contextlib import contextmanager
 import torch
 
 from sparsegen.kernels import load_float_rows
+from sparsegen.models import cpu_flags
 
 GEMV_ROWS = 4
 FLOAT_ROWS_MAX = 16
 """Rows up to which eager products without packed weights go weight first (beyond, `prompt_linear`)."""
+BF16_PANEL_ROWS = 256
+"""Rows up to which a bf16 product over packed panels stays the kernel on a CPU without AMX. Zen 5,
+2 threads, the default model's 210 layer products, cold: 17.9 ms against oneDNN's bf16 `F.linear`
+25.7 at 48 rows, 40.3 against 45.4 at 128, 74.5 against 75.3 at 256, 110.8 against 103.8 at 384
+(docs/benchmarks.md); where AMX's tiles compute oneDNN's GEMM, `FLOAT_ROWS_MAX`."""
+
+
+@functools.cache
+def bf16_panel_rows() -> int:
+    """Rows up to which a bf16 product takes the packed panels (`BF16_PANEL_ROWS`, `FLOAT_ROWS_MAX` with AMX)."""
+    return FLOAT_ROWS_MAX if "amx_bf16" in cpu_flags() else BF16_PANEL_ROWS
 
 
 @functools.cache
@@ -54,7 +66,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     near the memory bus's speed: 2x the batch-1 `mm` kernel on this CPU). Eagerly, fp32 products
     go to the kernel over the layer's `packed` weight (`pack_weights`) at any row count (it beats
     oneDNN from 3 to 2,048 rows here, by 44% at 48: docs/benchmarks.md), bf16 ones up to
-    `FLOAT_ROWS_MAX` rows (a prompt's read stays oneDNN's, which has AMX where the CPU does),
+    `bf16_panel_rows()` (a longer prompt's read stays oneDNN's, which has AMX where the CPU does),
     unless a gradient is wanted. Without it, up to `FLOAT_ROWS_MAX` rows go weight first
     (`weight @ x.T`: MKL streams the weight faster that way round), more to `prompt_linear`."""
     if not x.is_cpu:
@@ -66,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
         return (out if bias is None else out + bias).to(x.dtype)
     wants_gradient = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if packed is not None and (wants_gradient or (packed.dtype == torch.bfloat16 and rows > FLOAT_ROWS_MAX)):
+    if packed is not None and (wants_gradient or (packed.dtype == torch.bfloat16 and rows > bf16_panel_rows())):
         packed = None  # the kernel has no gradient; a bf16 prompt stays oneDNN's
     if rows > FLOAT_ROWS_MAX and packed is None:
         return prompt_linear(x, weight, bias)
