@@ -16,7 +16,9 @@ def masked_softmax_attention(query, keys, values, positions, scaling):
 
 
 @pytest.mark.parametrize("held", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("b", "h", "g", "d", "n"), [(2, 3, 3, 64, 300), (1, 2, 4, 48, 37), (1, 3, 3, 64, 1100), (3, 2, 6, 128, 70)])
+@pytest.mark.parametrize(
+    ("b", "h", "g", "d", "n"), [(2, 3, 3, 64, 300), (1, 2, 4, 48, 37), (1, 3, 3, 64, 1100), (3, 2, 6, 128, 70)]
+)
 def test_slot_attention_equals_masked_softmax_over_the_live_slots(b, h, g, d, n, held):
     """fp16 slots: the same attention over the rows as held, widened (the reference in float64)."""
     assert kernels_available()  # the machine's compiler builds them; CI has one
