@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -16,10 +15,6 @@
 #endif
 
 namespace lanes {
-
-#if defined(SPARSEGEN_AVX2) && defined(__AVX512F__)
-#define SPARSEGEN_AVX512 1
-#endif
 
 #ifdef SPARSEGEN_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -32,10 +27,6 @@ inline __m256 load8(const c10::Half* p) {
 // and then read by every query of its head (widening costs a core as much as the products).
 inline void widen(float* to, const c10::Half* from, int64_t dim) {
   int64_t c = 0;
-#ifdef SPARSEGEN_AVX512
-  for (; c + 16 <= dim; c += 16)
-    _mm512_storeu_ps(to + c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + c))));
-#endif
 #ifdef SPARSEGEN_AVX2
   for (; c + 8 <= dim; c += 8) _mm256_storeu_ps(to + c, load8(from + c));
 #endif
@@ -77,10 +68,6 @@ inline void add_scaled(float* acc, const T* x, float weight, int64_t dim) {
   for (int64_t c = 0; c < dim; ++c) acc[c] += weight * static_cast<float>(x[c]);
 }
 
-#ifdef SPARSEGEN_AVX512
-inline __m256 upper_half(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
-#endif
-
 #ifdef SPARSEGEN_AVX2
 // The eight lanes' sums of eight vectors, in their order.
 inline __m256 sums_of_eight(const __m256* a) {
@@ -97,23 +84,6 @@ template <typename T>
 inline void scores_of_rows(float* out, const float* q, const T* rows, const int64_t* live, int64_t count,
                            int64_t dim, float scale) {
   int64_t i = 0;
-#ifdef SPARSEGEN_AVX512
-  if constexpr (std::is_same_v<T, float>) {  // 16 lanes a product; each sum halved to 8 lanes, then as below
-    for (; dim % 16 == 0 && i + 8 <= count; i += 8) {
-      __m512 acc[8];
-      const float* row[8];
-      for (int k = 0; k < 8; ++k) acc[k] = _mm512_setzero_ps(), row[k] = rows + live[i + k] * dim;
-      for (int64_t c = 0; c < dim; c += 16) {
-        const __m512 qc = _mm512_loadu_ps(q + c);
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) acc[k] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(row[k] + c), acc[k]);
-      }
-      __m256 halves[8];
-      for (int k = 0; k < 8; ++k) halves[k] = _mm256_add_ps(_mm512_castps512_ps256(acc[k]), upper_half(acc[k]));
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(sums_of_eight(halves), _mm256_set1_ps(scale)));
-    }
-  }
-#endif
 #ifdef SPARSEGEN_AVX2
   if (dim % 8 == 0) {
     for (; i + 8 <= count; i += 8) {
@@ -137,23 +107,6 @@ inline void scores_of_rows(float* out, const float* q, const T* rows, const int6
 template <typename T>
 inline void mix_rows(float* out, const T* rows, const int64_t* live, const float* weights, int64_t count,
                      int64_t dim) {
-#ifdef SPARSEGEN_AVX512
-  if constexpr (std::is_same_v<T, float>) {  // 64 channels in four 16-lane sums
-    if (dim % 64 == 0) {
-      for (int64_t c0 = 0; c0 < dim; c0 += 64) {
-        __m512 acc[4];
-        for (int k = 0; k < 4; ++k) acc[k] = _mm512_loadu_ps(out + c0 + 16 * k);
-        for (int64_t i = 0; i < count; ++i) {
-          const float* row = rows + live[i] * dim + c0;
-          const __m512 w = _mm512_set1_ps(weights[i]);
-          for (int k = 0; k < 4; ++k) acc[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 16 * k), acc[k]);
-        }
-        for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + c0 + 16 * k, acc[k]);
-      }
-      return;
-    }
-  }
-#endif
 #ifdef SPARSEGEN_AVX2
   if (dim % 64 == 0) {
     for (int64_t c0 = 0; c0 < dim; c0 += 64) {
