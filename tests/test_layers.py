@@ -48,7 +48,7 @@ LAYERS = (  # top row first: docs/architecture.md draws the same table
     "gguf_model.py",
     "contextual/  quant/",
     "decode/  prune/",
-    "kv/  layerwise*.py  few_rows.py",
+    "kv/  layerwise*.py  few_rows.py  fused_layers.py",
     "assemble.py  registry.py  models.py  distributed.py  sampling.py  data.py  kernels/  ioutil.py  report.py",
     "assets.py  rss.py",
     "errors.py",

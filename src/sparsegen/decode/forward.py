@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsegen.fused_layers import fused_layers
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.policy_cache import PolicyCache
 
@@ -21,10 +22,11 @@ def token_rows(model: torch.nn.Module, ids: list[int] | torch.Tensor) -> torch.T
 def read_rows(
     model: torch.nn.Module, rows: torch.Tensor, cache: PolicyCache, step: int, all_logits: bool
 ) -> torch.Tensor | None:
-    """Read `rows` [b, n] into `cache`, `step` tokens per forward. Returns the logits of every
+    """Read `rows` [b, n] into `cache`, `step` tokens per forward (the layers' norms and MLP
+    activations fused: `fused_layers`). Returns the logits of every
     token [b, n, vocab] with `all_logits`, else of the last one [b, vocab]; None for no tokens."""
     kept = []
-    with policy_attention(model):
+    with fused_layers(model), policy_attention(model):
         for start in range(0, rows.shape[1], step):
             piece = rows[:, start : start + step]
             logits = model(

@@ -15,6 +15,7 @@ from sparsegen.decode.forward import as_given, read_rows, token_rows
 from sparsegen.decode.kvzip_read import RepeatFrame
 from sparsegen.decode.shared import SharedPrefill
 from sparsegen.errors import SparsegenError
+from sparsegen.fused_layers import fused_layers
 from sparsegen.kv.attention import PackedEngine, policy_attention
 from sparsegen.kv.cache import PolicyLayer
 from sparsegen.kv.factory import make_cache
@@ -109,7 +110,7 @@ def read_packed(
     positions = torch.cat([torch.arange(len(prompt), device=device) for prompt in prompts])[None]
     ends = torch.tensor([len(prompt) for prompt in prompts]).cumsum(0)
     bounds = [(int(end) - len(prompt), int(end)) for prompt, end in zip(prompts, ends, strict=True)]
-    with stoppable(model, stop), policy_attention(model):
+    with stoppable(model, stop), fused_layers(model), policy_attention(model):
         out = model(
             input_ids=ids,
             position_ids=positions,

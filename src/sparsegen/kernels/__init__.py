@@ -20,6 +20,7 @@ INT_DOT = SOURCES / "int_dot.cpp"
 GGUF_DOT = SOURCES / "gguf_dot.cpp"
 FLOAT_ROWS = SOURCES / "float_rows.cpp"
 SPARSE_MLP = SOURCES / "sparse_mlp.cpp"
+LAYER_OPS = SOURCES / "layer_ops.cpp"
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,8 @@ def load_float_rows():
 def load_sparse_mlp():
     """The fused sparse MLP over kept neurons' records (`contextual.fused`), or None."""
     return builder.build(SPARSE_MLP, "the fused sparse MLP kernel")
+
+
+def load_layer_ops():
+    """A decoder layer's RMSNorm and SiLU-times-up in one pass each (`fused_layers`), or None."""
+    return builder.build(LAYER_OPS, "the fused layer ops")

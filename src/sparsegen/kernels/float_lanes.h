@@ -1,7 +1,7 @@
 // The float arithmetic the KV kernels share: a query's dot product with a held row and a
 // probability-weighted sum of held rows, over rows held in fp32 or fp16 (F16C widens eight halves
 // in one instruction, so an fp16 row costs half the bytes of an fp32 one and no more work), and
-// exp over a row of scores.
+// exp over a row of scores (or any eight arguments).
 #pragma once
 
 #include <c10/util/Half.h>
@@ -126,27 +126,35 @@ inline void mix_rows(float* out, const T* rows, const int64_t* live, const float
   for (int64_t i = 0; i < count; ++i) add_scaled(out, rows + live[i] * dim, weights[i], dim);
 }
 
-// x[i] = exp(x[i] - top) for i < count; returns their sum. AVX2: a degree-6 polynomial on the
-// reduced argument and the power of two put in the exponent bits (about 2 ulp; the arguments are
-// <= 0, so no overflow), where a scalar exp per slot would cost as much as the products.
+#ifdef SPARSEGEN_AVX2
+// exp of eight arguments in [-87.3, 88]: a degree-6 polynomial on the reduced argument and the
+// power of two put in the exponent bits (about 2 ulp), where a scalar exp per lane would cost as
+// much as the work around it. Arguments outside the range must be clamped by the caller.
+inline __m256 exp8(__m256 a) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const float coefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                1.6666665459e-1f, 5.0000001201e-1f};
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, a));
+  __m256 p = _mm256_set1_ps(coefficients[0]);
+  for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coefficients[c]));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+#endif
+
+// x[i] = exp(x[i] - top) for i < count; returns their sum (`exp8`; the arguments are <= 0, so
+// only the floor needs a clamp).
 inline float exp_shifted(float* x, int64_t count, float top) {
   float total = 0.f;
   int64_t i = 0;
 #ifdef SPARSEGEN_AVX2
-  const __m256 shift = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-  const float coefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                                1.6666665459e-1f, 5.0000001201e-1f};
+  const __m256 shift = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.3f);
   __m256 sum = _mm256_setzero_ps();
   for (; i + 8 <= count; i += 8) {
-    const __m256 a = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift), floor);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, a));
-    __m256 p = _mm256_set1_ps(coefficients[0]);
-    for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coefficients[c]));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+    const __m256 e = exp8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift), floor));
     _mm256_storeu_ps(x + i, e);
     sum = _mm256_add_ps(sum, e);
   }

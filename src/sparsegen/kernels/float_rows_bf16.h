@@ -15,24 +15,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_bits.h"
+
 namespace bf16_rows {
 
 constexpr int64_t kPairBlock = 32;
 
-inline float widen(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, 4);
-  return value;
-}
-
-// Round to nearest even, as torch rounds fp32 to bf16 (NaN kept a NaN).
-inline uint16_t narrow(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, 4);
-  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
-  return static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-}
+using bf16_bits::narrow;
+using bf16_bits::widen;
 
 #ifdef SPARSEGEN_PLAIN
 template <int kR>

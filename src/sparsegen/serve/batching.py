@@ -33,6 +33,7 @@ from sparsegen.decode.kvzip_read import repeat_frame
 from sparsegen.decode.reading import Abandoned, packable, read, read_packed, reads_whole
 from sparsegen.errors import SparsegenError
 from sparsegen.few_rows import PackedWeights, pack_weights, restore_linears, use_gemv
+from sparsegen.fused_layers import fuse_layers, restore_layers
 from sparsegen.kv import PolicyCache, make_cache
 from sparsegen.kv.attention import policy_attention
 from sparsegen.kv.footprint import kv_row_bytes
@@ -142,6 +143,7 @@ class Engine:
     # -- worker -------------------------------------------------------------------------------
     def _loop(self, bound: Callable[..., MemoryBound]) -> None:
         with policy_attention(self.model):  # while the engine runs; the model's own attention after close()
+            fused = fuse_layers(self.model)  # for the engine's life: a compile traces the model while prompts are read
             try:  # here, not in the caller's thread: a second thread's OpenMP team halves the step's speed
                 self.packed = pack_weights(self.model)
                 self.memory = bound(packed=self.packed)
@@ -154,6 +156,7 @@ class Engine:
                 self._serve()
             finally:
                 restore_linears(self.patched)
+                restore_layers(fused)
                 self.patched = []
 
     def _start_compiling(self) -> None:
@@ -389,12 +392,8 @@ class Engine:
                 cache, job.request.text + self.tokenizer.decode(job.generated), job.generated[-1:], cache.kv_bytes()
             )
             self.conversations.keep(conversation)
-        usage = {
-            "prompt_tokens": len(job.request.prompt_ids),
-            "completion_tokens": len(job.generated),
-            "cached_tokens": job.cached_tokens,
-            "kv_tokens_held": held_tokens,
-        }
+        usage = {"prompt_tokens": len(job.request.prompt_ids), "completion_tokens": len(job.generated)}
+        usage |= {"cached_tokens": job.cached_tokens, "kv_tokens_held": held_tokens}
         self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
         self.metrics.completion_tokens.inc(len(job.generated))
         job.emit(Done(reason, usage, job.shown))
