@@ -121,6 +121,7 @@ def test_build_all_builds_every_kernel_source_of_the_package(monkeypatch):
         kernels.load_gguf_dot,
         kernels.load_float_rows,
         kernels.load_sparse_mlp,
+        kernels.load_layer_ops,
     )
     for load in loaders:
         load()  # the sources the package loads
