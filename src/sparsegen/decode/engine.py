@@ -42,6 +42,10 @@ LEAN_WRAPPER = {"size_asserts": False, "alignment_asserts": False, "scalar_asser
 """Inductor checks every input's size and alignment again in the graph's Python wrapper, after
 dynamo's guards have: about 850 checks a step at 30 layers, 0.6-1.7 ms of a 13 ms int4 step
 (docs/benchmarks.md)."""
+FIXED_ROWS_WRAPPER = {**LEAN_WRAPPER, "cpp_wrapper": True}
+"""A step over a fixed row count runs its graph from a wrapper inductor writes in C++: no Python
+between the ops, 1.03-1.09x at batch 1 on a Zen 3 (docs/benchmarks.md), for a first compile about
+twice as long (the row-varying step gained nothing and keeps the Python wrapper)."""
 STEP_GRAPHS = 64  # graphs of the decode step kept per process: every decoder's count against one limit
 
 
@@ -245,7 +249,8 @@ class Decoder:
             # kept while the compiled step lives; `release()` undoes it
             # the compiled graph reads the few-row kernel's packed weights only for a varying row count
             self.patched = use_gemv(self.model, self.rows_vary, self._packed() if self.rows_vary else None)
-            self._step = torch.compile(self._eager, dynamic=None if self.rows_vary else False, options=LEAN_WRAPPER)
+            options = LEAN_WRAPPER if self.rows_vary else FIXED_ROWS_WRAPPER
+            self._step = torch.compile(self._eager, dynamic=None if self.rows_vary else False, options=options)
         else:  # replayed as a CUDA graph over slots marked static (recorded again when rows change)
             self._step = torch.compile(self._eager, dynamic=False, mode="reduce-overhead")
         self.mode = "compiled"
