@@ -35,7 +35,7 @@ def gguf_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "mix.gguf"
     write_tiny(path, "qwen2", MIX, tied=False, theta=1e6)
     model, tokenizer = sparsegen.load(str(path), device="cpu")
-    assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 7 * 2 + 1
+    assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 7 * 2 + 1 + 2  # and a joined q/k per layer
     return model, tokenizer
 
 

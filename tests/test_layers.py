@@ -45,7 +45,7 @@ LAYERS = (  # top row first: docs/architecture.md draws the same table
     "serve/  bench/  scale/",
     "eval/",
     "loading.py  random_model.py  prompt/",
-    "gguf_model.py",
+    "gguf*.py",
     "contextual/  quant/",
     "decode/  prune/",
     "kv/  layerwise*.py  few_rows.py  fused_layers.py",

@@ -7,7 +7,8 @@ file's, read on first use and shared with the page cache; nothing is copied, exc
 and key rows that llama.cpp stores permuted, put back in transformers' order, and Q4_0/Q4_1/Q4_K
 tensors repacked into panels of eight rows, whose mapped pages are then released). Every other
 tensor (norms, biases, F32/F16 tensors, block formats without a kernel) is dequantized to the
-model's float dtype.
+model's float dtype. An attention's q, k and v projections of one block format then run as one
+product (`gguf_attention.join_projections`).
 
 The token embedding in a kernel format becomes a `GGUFEmbedding` over its blocks (a lookup decodes
 the rows it reads; a scaled embedding, as Gemma's, is dequantized). The output head: a file's own
@@ -42,6 +43,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTen
 from sparsegen.assemble import assemble
 from sparsegen.assets import console, ensure_asset
 from sparsegen.errors import SparsegenError
+from sparsegen.gguf_attention import join_projections
 from sparsegen.quant.gguf_blocks import KERNEL_TYPES, GGUFEmbedding, GGUFLinear
 
 SUFFIX = ".gguf"
@@ -346,6 +348,7 @@ def load_gguf(
     if _head_name(skeleton) in layers and getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False  # the head is its own layer over the embedding's blocks
     model = assemble(str(path), config, state, layers, dtype, attn_implementation)
+    join_projections(model)
     why = " (packed=False)" if not blocks else f" ({file.architecture}: no Linear weight in a block format kept as is)"
     _say(path, kept_types, dequantized, dtype, why)
     return model.eval(), AutoTokenizer.from_pretrained(folder)

