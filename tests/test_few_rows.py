@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsegen import few_rows
-from sparsegen.few_rows import BF16_PANEL_ROWS, FLOAT_ROWS_MAX, float_rows_op, linear, pack_weights
+from sparsegen.few_rows import AMX_PANEL_ROWS, BF16_PANEL_ROWS, FLOAT_ROWS_MAX, float_rows_op, linear, pack_weights
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,23 @@ def test_a_bf16_row_comes_out_the_same_whatever_rows_share_the_call():
         assert torch.equal(float_rows_op()(x[row : row + 1].contiguous(), panels, 100)[0], together[row])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_given_the_weight_the_kernel_leaves_more_rows_to_torchs_gemm(dtype):
+    """Past `gemm_above_rows` rows the call is F.linear's own product, bit for bit; up to it, the
+    panels' (the same as without the weight): what lets a compiled step of any row count choose."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 64, generator=generator).to(dtype)
+    for rows in (3, 4, 5, 9):
+        x = torch.randn(rows, 64, generator=generator).to(dtype)
+        got = float_rows_op()(x, pack(weight), 40, weight, 4)
+        if rows > 4:
+            assert torch.equal(got, torch.nn.functional.linear(x, weight))
+        else:
+            assert torch.equal(got, float_rows_op()(x, pack(weight), 40))
+    with pytest.raises(RuntimeError, match="weight must be \\[out_features, in\\]"):
+        float_rows_op()(x, pack(weight), 40, weight[:, :32], 4)
+
+
 def test_the_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="x must be bf16"):
         float_rows_op()(torch.randn(2, 8), pack(torch.randn(4, 8).bfloat16()), 4)
@@ -82,10 +99,10 @@ def test_linear_with_and_without_the_kernel_equals_f_linear(rows):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, FLOAT_ROWS_MAX, FLOAT_ROWS_MAX + 1, BF16_PANEL_ROWS, BF16_PANEL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, AMX_PANEL_ROWS, AMX_PANEL_ROWS + 1, FLOAT_ROWS_MAX + 1, BF16_PANEL_ROWS, 257])
 def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows, amx, monkeypatch):
     """bf16 rows over bf16 panels: the kernel up to `bf16_panel_rows()` (within a bf16 rounding of
-    F.linear), F.linear itself beyond (oneDNN's bf16 GEMM); with AMX the kernel only to FLOAT_ROWS_MAX."""
+    F.linear), F.linear itself beyond (oneDNN's bf16 GEMM); with AMX the kernel only to AMX_PANEL_ROWS."""
     monkeypatch.setattr(few_rows, "cpu_flags", lambda: frozenset({"amx_bf16"} if amx else {"avx512_bf16"}))
     few_rows.bf16_panel_rows.cache_clear()
     x, weight = torch.randn(rows, 48).bfloat16(), torch.randn(24, 48).bfloat16()
@@ -93,7 +110,7 @@ def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows,
         got, expected = linear(x, weight, None, pack(weight)), torch.nn.functional.linear(x, weight)
     finally:
         few_rows.bf16_panel_rows.cache_clear()
-    if rows > (FLOAT_ROWS_MAX if amx else BF16_PANEL_ROWS):
+    if rows > (AMX_PANEL_ROWS if amx else BF16_PANEL_ROWS):
         assert torch.equal(got, expected)
     else:
         torch.testing.assert_close(got, expected, rtol=1 / 128, atol=1e-2)

@@ -20,13 +20,17 @@ BF16_PANEL_ROWS = 256
 """Rows up to which a bf16 product over packed panels stays the kernel on a CPU without AMX. Zen 5,
 2 threads, the default model's 210 layer products, cold: 17.9 ms against oneDNN's bf16 `F.linear`
 25.7 at 48 rows, 40.3 against 45.4 at 128, 74.5 against 75.3 at 256, 110.8 against 103.8 at 384
-(docs/benchmarks.md); where AMX's tiles compute oneDNN's GEMM, `FLOAT_ROWS_MAX`."""
+(docs/benchmarks.md); where AMX's tiles compute oneDNN's GEMM, `AMX_PANEL_ROWS`."""
+AMX_PANEL_ROWS = 8
+"""The same with AMX: an Intel Xeon (AMX, 2 threads), the default model's 210 layer products with
+distinct (cold) weights: 21.9 ms against oneDNN's 22.8 at 8 rows, 26.1 against 23.3 at 12, 51.4
+against 24.8 at 32 (docs/benchmarks.md)."""
 
 
 @functools.cache
 def bf16_panel_rows() -> int:
-    """Rows up to which a bf16 product takes the packed panels (`BF16_PANEL_ROWS`, `FLOAT_ROWS_MAX` with AMX)."""
-    return FLOAT_ROWS_MAX if "amx_bf16" in cpu_flags() else BF16_PANEL_ROWS
+    """Rows up to which a bf16 product takes the packed panels (`BF16_PANEL_ROWS`, `AMX_PANEL_ROWS` with AMX)."""
+    return AMX_PANEL_ROWS if "amx_bf16" in cpu_flags() else BF16_PANEL_ROWS
 
 
 @functools.cache
@@ -78,11 +82,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
         return (out if bias is None else out + bias).to(x.dtype)
     wants_gradient = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if packed is not None and (wants_gradient or (packed.dtype == torch.bfloat16 and rows > bf16_panel_rows())):
-        packed = None  # the kernel has no gradient; a bf16 prompt stays oneDNN's
+    if packed is not None and wants_gradient:
+        packed = None  # the kernel has no gradient
     if rows > FLOAT_ROWS_MAX and packed is None:
         return prompt_linear(x, weight, bias)
-    return _row_product(x, weight, bias, rows, packed)
+    return _row_product(x, weight, bias, rows, packed, bf16_panel_rows())
 
 
 def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,12 +101,14 @@ def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, packed):
+def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, packed, panel_rows: int):
     """The kernel over `packed` where given and x has its dtype, else weight first (`weight @ x.T`);
-    neither asks anything of the row count."""
+    neither asks anything of the row count. A bf16 product past `panel_rows` rows (`bf16_panel_rows()`)
+    is oneDNN's GEMM, chosen inside the kernel's call: a compiled step of any row count decides as it runs."""
     flat = x.reshape(rows, x.shape[-1])
     if packed is not None and x.dtype == packed.dtype:
-        out = torch.ops.sparsegen.float_rows_linear(flat.contiguous(), packed, weight.shape[0])
+        gemm = (weight, panel_rows) if packed.dtype == torch.bfloat16 else (None, -1)
+        out = torch.ops.sparsegen.float_rows_linear(flat.contiguous(), packed, weight.shape[0], *gemm)
     else:
         out = (weight @ flat.T).T
     out = out.reshape(*x.shape[:-1], weight.shape[0])
@@ -111,7 +117,8 @@ def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _forward_for(packed: torch.Tensor | None, rows_vary: bool) -> Callable:
     """The patched `forward` of a Linear layer; its `packed` weight is bound here, before any
-    tracing, so a compiled graph holds the kernel as one opaque call."""
+    tracing, so a compiled graph holds the kernel as one opaque call (and the bf16 panels' row limit)."""
+    panel_rows = bf16_panel_rows()
 
     def few_rows(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, packed)
@@ -122,7 +129,7 @@ def _forward_for(packed: torch.Tensor | None, rows_vary: bool) -> Callable:
         # graph); outside the graph (a prompt read between steps) `linear` picks by the row count
         if rows == 1 or not torch.compiler.is_compiling():
             return linear(x, self.weight, self.bias, packed)
-        return _row_product(x, self.weight, self.bias, rows, packed)
+        return _row_product(x, self.weight, self.bias, rows, packed, panel_rows)
 
     return any_rows if rows_vary else few_rows
 

@@ -192,7 +192,16 @@ torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t ou
   return out;
 }
 
-torch::Tensor float_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+// With `weight` (the layer's own, unpacked) and more than `gemm_above_rows` rows, the product is
+// torch's GEMM instead (oneDNN's, AMX tiles where the CPU has them): a compiled step of any row
+// count decides at run time, with no guard on the row count.
+torch::Tensor float_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                const std::optional<torch::Tensor>& weight, int64_t gemm_above_rows) {
+  if (weight.has_value() && gemm_above_rows >= 0 && x.size(0) > gemm_above_rows) {
+    TORCH_CHECK(weight->dim() == 2 && weight->size(0) == out_features && weight->size(1) == x.size(1),
+                "float_rows_linear: weight must be [out_features, in] of x's in");
+    return at::linear(x, *weight);
+  }
   if (packed.scalar_type() == torch::kBFloat16) return bf16_rows_linear(x, packed, out_features);
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
               "float_rows_linear: x must be fp32 [rows, in], contiguous");
@@ -212,7 +221,8 @@ torch::Tensor float_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t o
 }
 
 // The shapes alone, for tracing: a compiled step keeps the op as one opaque call, for any row count.
-torch::Tensor float_rows_linear_meta(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+torch::Tensor float_rows_linear_meta(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                     const std::optional<torch::Tensor>& weight, int64_t gemm_above_rows) {
   return at::empty_symint({x.sym_size(0), c10::SymInt(out_features)}, x.options());
 }
 
@@ -280,7 +290,7 @@ torch::Tensor span_attention_meta(torch::Tensor query, torch::Tensor key, torch:
 // Registered with the dispatcher from C++, so a call costs no Python.
 TORCH_LIBRARY_FRAGMENT(sparsegen, m) {
   m.def("float_rows_pack(Tensor weight) -> Tensor");
-  m.def("float_rows_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("float_rows_linear(Tensor x, Tensor packed, int out_features, Tensor? weight=None, int gemm_above_rows=-1) -> Tensor");
   m.def("span_attention(Tensor query, Tensor key, Tensor value, float scaling) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
