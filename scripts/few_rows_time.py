@@ -1,9 +1,11 @@
 """The few-row fp32 products (`few_rows.float_rows_op`) against torch's, and eager decoding with
 them, for an A/B against another commit run through `PYTHONPATH=<its src>` (docs/benchmarks.md,
-"the server's batched step"). Run it on a quiet machine.
+"the server's batched step"); with `--bf16`, the bf16 panels against oneDNN's bf16 GEMM from 1 to 64
+rows (where they cross sets `few_rows.AMX_PANEL_ROWS`). Run it on a quiet machine.
 
     python scripts/few_rows_time.py            # products of this checkout, then eager generate()
     PYTHONPATH=<old checkout>/src python scripts/few_rows_time.py --generate-only
+    python scripts/few_rows_time.py --bf16 --products-only
 """
 
 import sys
@@ -30,15 +32,15 @@ def best_ms(run, repeats: int = 5) -> float:
     return min(times) * 1000
 
 
-def products() -> None:
+def products(dtype: torch.dtype) -> None:
     from sparsegen.few_rows import float_rows_op
 
     op = float_rows_op()
-    layers = [[torch.randn(o, i) for o, i in SHAPES] for _ in range(30)]
+    layers = [[torch.randn(o, i).to(dtype) for o, i in SHAPES] for _ in range(30)]
     packed = {id(w): torch.ops.sparsegen.float_rows_pack(w) for layer in layers for w in layer}
-    megabytes = sum(o * i for o, i in SHAPES) * 30 * 4 / 1e6
-    for rows in (1, 2, 4, 8, 16):
-        inputs = {size: torch.randn(rows, size) for size in (576, 1536)}
+    megabytes = sum(o * i for o, i in SHAPES) * 30 * dtype.itemsize / 1e6
+    for rows in (1, 2, 4, 8, 16) if dtype == torch.float32 else (1, 4, 8, 12, 16, 32, 64):
+        inputs = {size: torch.randn(rows, size).to(dtype) for size in (576, 1536)}
         ways = {
             "F.linear": torch.nn.functional.linear,
             "weight @ x.T": lambda x, w: w @ x.T,
@@ -62,5 +64,6 @@ def eager_generate() -> None:
 
 if __name__ == "__main__":
     if "--generate-only" not in sys.argv:
-        products()
-    eager_generate()
+        products(torch.bfloat16 if "--bf16" in sys.argv else torch.float32)
+    if "--products-only" not in sys.argv:
+        eager_generate()
