@@ -1,7 +1,8 @@
 """The few-row fp32 products (`few_rows.float_rows_op`) against torch's, and eager decoding with
 them, for an A/B against another commit run through `PYTHONPATH=<its src>` (docs/benchmarks.md,
 "the server's batched step"); with `--bf16`, the bf16 panels against oneDNN's bf16 GEMM from 1 to 64
-rows (where they cross sets `few_rows.AMX_PANEL_ROWS`). Run it on a quiet machine.
+rows, and the kernel's GEMM past its limit (weight first, as rows: where they cross sets
+`few_rows.AMX_PANEL_ROWS` and the kernel's `kWeightFirstRows`). Run it on a quiet machine.
 
     python scripts/few_rows_time.py            # products of this checkout, then eager generate()
     PYTHONPATH=<old checkout>/src python scripts/few_rows_time.py --generate-only
@@ -39,13 +40,15 @@ def products(dtype: torch.dtype) -> None:
     layers = [[torch.randn(o, i).to(dtype) for o, i in SHAPES] for _ in range(30)]
     packed = {id(w): torch.ops.sparsegen.float_rows_pack(w) for layer in layers for w in layer}
     megabytes = sum(o * i for o, i in SHAPES) * 30 * dtype.itemsize / 1e6
-    for rows in (1, 2, 4, 8, 16) if dtype == torch.float32 else (1, 4, 8, 12, 16, 32, 64):
+    for rows in (1, 2, 4, 8, 16) if dtype == torch.float32 else (1, 2, 3, 4, 8, 16, 20, 24, 32, 64):
         inputs = {size: torch.randn(rows, size).to(dtype) for size in (576, 1536)}
         ways = {
             "F.linear": torch.nn.functional.linear,
             "weight @ x.T": lambda x, w: w @ x.T,
             "float_rows_linear": lambda x, w: op(x, packed[id(w)], w.shape[0]),
         }
+        if dtype == torch.bfloat16:  # the kernel's GEMM past its limit: weight first, laid out as rows
+            ways["weight first as rows"] = lambda x, w: op(x, packed[id(w)], w.shape[0], w, 0)
         cells = []
         for name, product in ways.items():
             ms = best_ms(lambda p=product, x=inputs: [p(x[w.shape[1]], w) for layer in layers for w in layer])

@@ -60,19 +60,47 @@ def test_a_bf16_row_comes_out_the_same_whatever_rows_share_the_call():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_given_the_weight_the_kernel_leaves_more_rows_to_torchs_gemm(dtype):
-    """Past `gemm_above_rows` rows the call is F.linear's own product, bit for bit; up to it, the
-    panels' (the same as without the weight): what lets a compiled step of any row count choose."""
+    """Past `gemm_above_rows` rows the call is torch's own product bit for bit, weight first to 20
+    rows (`kWeightFirstRows`), F.linear's beyond; up to it, the panels' (the same as without the
+    weight): what lets a compiled step of any row count choose."""
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 64, generator=generator).to(dtype)
-    for rows in (3, 4, 5, 9):
+    for rows in (3, 4, 5, 9, 20, 21, 40):
         x = torch.randn(rows, 64, generator=generator).to(dtype)
         got = float_rows_op()(x, pack(weight), 40, weight, 4)
-        if rows > 4:
+        assert got.is_contiguous()
+        if rows > 20:
             assert torch.equal(got, torch.nn.functional.linear(x, weight))
+        elif rows > 4:
+            assert torch.equal(got, (weight @ x.T).T)
         else:
             assert torch.equal(got, float_rows_op()(x, pack(weight), 40))
     with pytest.raises(RuntimeError, match="weight must be \\[out_features, in\\]"):
         float_rows_op()(x, pack(weight), 40, weight[:, :32], 4)
+
+
+def test_a_bf16_step_compiled_for_any_rows_reads_both_sides_of_the_panel_limit(monkeypatch):
+    """One compiled graph for every row count above one takes the panels at 2 rows and torch's GEMM
+    at 5 (the limit set to 2 here, whatever the CPU): each row's logits within bf16's rounding of a
+    plain forward of its text (a result read in the wrong layout is off by more than the logits)."""
+    from sparsegen.decode import Decoder
+    from sparsegen.kv.attention import policy_attention
+    from tests.conftest import build_tiny
+
+    monkeypatch.setattr(few_rows, "bf16_panel_rows", lambda: 2)
+    torch._dynamo.reset()
+    model = build_tiny("llama", layers=2).to(torch.bfloat16)
+    ids = torch.randint(3, 90, (5, 14), generator=torch.Generator().manual_seed(5))
+    decoder = Decoder(model, compile="always", rows_vary=True, notify=lambda _: None)
+    for rows in (5, 2):
+        with policy_attention(model):
+            steps = [decoder.start(ids[:rows, :8].tolist(), 8)]
+            steps += [decoder.step(ids[:rows, position]) for position in range(8, 13)]
+        got = torch.stack(steps, dim=1).float()
+        with torch.no_grad():
+            expected = model(ids[:rows, :13]).logits[:, 7:].float()
+        assert (got - expected).norm() < 0.02 * expected.norm()
+    decoder.release()
 
 
 def test_the_kernel_refuses_what_it_cannot_read():
@@ -99,10 +127,11 @@ def test_linear_with_and_without_the_kernel_equals_f_linear(rows):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("rows", [1, AMX_PANEL_ROWS, AMX_PANEL_ROWS + 1, FLOAT_ROWS_MAX + 1, BF16_PANEL_ROWS, 257])
+@pytest.mark.parametrize("rows", [1, AMX_PANEL_ROWS, AMX_PANEL_ROWS + 1, FLOAT_ROWS_MAX + 1, 21, BF16_PANEL_ROWS, 257])
 def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows, amx, monkeypatch):
     """bf16 rows over bf16 panels: the kernel up to `bf16_panel_rows()` (within a bf16 rounding of
-    F.linear), F.linear itself beyond (oneDNN's bf16 GEMM); with AMX the kernel only to AMX_PANEL_ROWS."""
+    F.linear), torch's GEMM beyond (oneDNN's bf16 GEMM, AMX's tiles where the CPU has them); with
+    AMX the kernel only to AMX_PANEL_ROWS, then the GEMM weight first to 20 rows, F.linear beyond."""
     monkeypatch.setattr(few_rows, "cpu_flags", lambda: frozenset({"amx_bf16"} if amx else {"avx512_bf16"}))
     few_rows.bf16_panel_rows.cache_clear()
     x, weight = torch.randn(rows, 48).bfloat16(), torch.randn(24, 48).bfloat16()
@@ -110,8 +139,11 @@ def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows,
         got, expected = linear(x, weight, None, pack(weight)), torch.nn.functional.linear(x, weight)
     finally:
         few_rows.bf16_panel_rows.cache_clear()
-    if rows > (AMX_PANEL_ROWS if amx else BF16_PANEL_ROWS):
+    panel_rows = AMX_PANEL_ROWS if amx else BF16_PANEL_ROWS
+    if rows > max(panel_rows, 20):
         assert torch.equal(got, expected)
+    elif rows > panel_rows:
+        assert torch.equal(got, (weight @ x.T).T)
     else:
         torch.testing.assert_close(got, expected, rtol=1 / 128, atol=1e-2)
 

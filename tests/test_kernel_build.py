@@ -48,3 +48,26 @@ def test_a_source_builds_with_its_header_beside_it(tiny):
     module = builder.build(tiny, "the tiny test kernel")
     assert module is not None, "the build failed: see the message above"
     assert module.value() == 1
+
+
+def test_compiled_graphs_are_kept_apart_for_each_version_of_the_kernels(tiny, monkeypatch):
+    """Inductor's cache does not see an op's C++ code: the folder compiled steps are cached in
+    (`decode.engine`) changes with any kernel source or header, and with nothing else."""
+    from sparsegen.decode.engine import _inductor_cache
+
+    monkeypatch.setattr(builder, "SOURCES", tiny.parent)
+
+    def folder():
+        builder.sources_hash.cache_clear()
+        return _inductor_cache()
+
+    try:
+        first = folder()
+        (tiny.parent / "notes.txt").write_text("not a kernel")
+        assert folder() == first
+        (tiny.parent / "tiny_value.h").write_text("#pragma once\nconstexpr int kValue = 2;\n")
+        second = folder()
+        tiny.write_text(SOURCE + "// changed\n")
+        assert len({first, second, folder()}) == 3 and first.parent == second.parent
+    finally:
+        builder.sources_hash.cache_clear()

@@ -21,10 +21,11 @@ BF16_PANEL_ROWS = 256
 2 threads, the default model's 210 layer products, cold: 17.9 ms against oneDNN's bf16 `F.linear`
 25.7 at 48 rows, 40.3 against 45.4 at 128, 74.5 against 75.3 at 256, 110.8 against 103.8 at 384
 (docs/benchmarks.md); where AMX's tiles compute oneDNN's GEMM, `AMX_PANEL_ROWS`."""
-AMX_PANEL_ROWS = 8
-"""The same with AMX: an Intel Xeon (AMX, 2 threads), the default model's 210 layer products with
-distinct (cold) weights: 21.9 ms against oneDNN's 22.8 at 8 rows, 26.1 against 23.3 at 12, 51.4
-against 24.8 at 32 (docs/benchmarks.md)."""
+AMX_PANEL_ROWS = 3
+"""The same with AMX, where more rows are torch's GEMM, weight first (`weight @ x.T`) to 20 rows
+(`kernels/float_rows.cpp`): an Intel Xeon (AMX, 2 threads), the default model's 210 layer products
+with distinct (cold) weights: panels 9.9 ms against 14.2 at 2 rows, 14.2 against 14.9 at 3, 15.5
+against 14.4 at 4, 18.9 against 15.8 at 8 (docs/benchmarks.md)."""
 
 
 @functools.cache
@@ -104,7 +105,8 @@ def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, packed, panel_rows: int):
     """The kernel over `packed` where given and x has its dtype, else weight first (`weight @ x.T`);
     neither asks anything of the row count. A bf16 product past `panel_rows` rows (`bf16_panel_rows()`)
-    is oneDNN's GEMM, chosen inside the kernel's call: a compiled step of any row count decides as it runs."""
+    is torch's GEMM (weight first to 20 rows), chosen inside the kernel's call: a compiled step of
+    any row count decides as it runs."""
     flat = x.reshape(rows, x.shape[-1])
     if packed is not None and x.dtype == packed.dtype:
         gemm = (weight, panel_rows) if packed.dtype == torch.bfloat16 else (None, -1)

@@ -244,7 +244,7 @@ class Decoder:
             self.notify(f"decoding eagerly: {self._compiler_needed()} found for torch.compile")
             self.compile = "never"
             return
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
+        _use_inductor_cache()
         if self.device.type == "cpu":
             # kept while the compiled step lives; `release()` undoes it
             # the compiled graph reads the few-row kernel's packed weights only for a varying row count
@@ -361,9 +361,20 @@ def _rows(cache: PolicyCache) -> int:
 
 
 def _inductor_cache():
+    """Compiled steps cached on disk, one folder for each version of the kernels they call."""
     from sparsegen.assets import cache_dir
+    from sparsegen.kernels.build import sources_hash
 
-    return cache_dir() / "inductor"
+    return cache_dir() / "inductor" / sources_hash()
+
+
+def _use_inductor_cache() -> None:
+    """Compile into `_inductor_cache()` unless the user named a folder: importing torch's compiler
+    sets the variable to torch's default (one folder whatever the kernels), so that value is ours to replace."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_inductor_cache())
 
 
 def step_graph_limit():

@@ -59,6 +59,16 @@ def build_folder(source: Path) -> Path:
 
 
 @functools.cache
+def sources_hash() -> str:
+    """A hash of every kernel source and header: compiled graphs are cached under it
+    (`decode.engine`), since inductor's own cache key does not see what an op registered from
+    C++ computes or the strides its meta function gives (a graph kept from other kernels reads
+    their results in the wrong order)."""
+    files = sorted([*SOURCES.glob("*.cpp"), *SOURCES.glob("*.h")])
+    return hashlib.sha256(b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in files)).hexdigest()[:16]
+
+
+@functools.cache
 def build(source: Path, what: str):
     """The extension module built from `source` (C++ with a PYBIND11 module), or None; `what`
     names the kernels in the one-line message when they cannot be built."""
