@@ -12,6 +12,12 @@ from sparsegen.kv import make_cache, prompt_attention
 pytestmark = pytest.mark.skipif(float_rows_op() is None, reason="the float_rows kernels cannot be built here")
 
 
+@pytest.fixture(autouse=True)
+def without_amx(monkeypatch):
+    """The kernel's bf16 path is tested on every CPU: AMX's (where bf16 goes to sdpa) told it has none."""
+    monkeypatch.setattr(prompt_attention, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+
+
 def span(query, key, value, scaling):
     return torch.ops.sparsegen.span_attention(query, key, value, scaling)
 
@@ -165,3 +171,17 @@ def test_a_bf16_model_reads_prompts_through_the_kernel_as_its_own_forward(arch):
     scale = own.abs().max()
     for logits in (torch.stack(alone), packed, torch.stack(chunked).float()):
         assert (logits - own).abs().max() <= 0.03 * scale
+
+
+def test_with_amx_bf16_prompts_keep_sdpa_and_fp32_ones_the_kernel(monkeypatch):
+    """Where the CPU has AMX, torch's flash attention multiplies bf16 on its tiles (2x the kernel):
+    a bf16 prompt keeps sdpa's own call (its result sdpa's, bit for bit), an fp32 one the kernel."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    monkeypatch.setattr(prompt_attention, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512_bf16"}))
+    query, key, value = (t[None] for t in inputs(4, 2, 32, 20, 20))
+    got = []
+    assert kernel_calls(lambda: got.append(prompt_attention.sdpa_or_span(Module(), query, key, value, None))) == 0
+    assert torch.equal(got[0][0], sdpa_attention_forward(Module(), query, key, value, None)[0])
+    fp32 = tuple(t.float() for t in (query, key, value))
+    assert kernel_calls(lambda: prompt_attention.sdpa_or_span(Module(), *fp32, None))

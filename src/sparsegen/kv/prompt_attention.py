@@ -2,7 +2,9 @@
 `kernels/span_attention.h`; in bf16 2-4x torch's flash attention from 48 to 4,096 tokens, in fp32
 1.1-2.3x up to 1,024: docs/benchmarks.md, "Prompt reads") wherever sdpa would run plain causal
 attention, of a fresh prompt or of a chunk after the keys a cache holds, sdpa itself everywhere
-else. Policy attention (`kv.attention`) runs this in sdpa's place."""
+else, and in bf16 where the CPU has AMX (torch's flash attention multiplies on its tiles: 2.0-2.3x
+the kernel from 128 to 512 tokens on an Intel Xeon, docs/benchmarks.md). Policy attention
+(`kv.attention`) runs this in sdpa's place."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sparsegen.kernels import load_float_rows
+from sparsegen.models import cpu_flags
 
 DIM_MULTIPLE = 16
 """Head sizes the kernel takes: whole vectors of 16 lanes (every model here: 64, 128, 256)."""
@@ -22,8 +25,8 @@ def sdpa_or_span(module, query, key, value, attention_mask, dropout=0.0, scaling
     """sdpa's attention (same arguments, same result up to the order of sums): the kernel where sdpa
     would attend plain causally, each query to the keys up to its own among the last keys (no mask
     and as many keys as queries, or a boolean mask of just that; no dropout, softcap or position
-    bias) on bf16 CPU tensors (fp32 up to `FLOAT_SPAN_MAX` keys), eagerly and with no gradient;
-    sdpa otherwise."""
+    bias) on bf16 CPU tensors without AMX (fp32 up to `FLOAT_SPAN_MAX` keys), eagerly and with no
+    gradient; sdpa otherwise."""
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if _takes_span(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
         op = torch.ops.sparsegen.span_attention
@@ -42,6 +45,8 @@ def _takes_span(module, query, key, value, mask, dropout, is_causal, kwargs) -> 
     plain = causal and dropout == 0 and 1 < queries <= keys
     if not plain or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         return False  # a decode step's single query leaves here
+    if query.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+        return False  # torch's flash attention runs on AMX's tiles
     tensors = (query, key, value)
     dtype = torch.bfloat16 if query.dtype == torch.bfloat16 or keys > FLOAT_SPAN_MAX else torch.float32
     cpu = all(t.is_cpu and t.dtype == dtype for t in tensors) and query.shape[-1] % DIM_MULTIPLE == 0
