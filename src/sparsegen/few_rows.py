@@ -24,8 +24,9 @@ BF16_PANEL_ROWS = 256
 AMX_PANEL_ROWS = 3
 """The same with AMX, where more rows are torch's GEMM, weight first (`weight @ x.T`) to 20 rows
 (`kernels/float_rows.cpp`): an Intel Xeon (AMX, 2 threads), the default model's 210 layer products
-with distinct (cold) weights: panels 9.9 ms against 14.2 at 2 rows, 14.2 against 14.9 at 3, 15.5
-against 14.4 at 4, 18.9 against 15.8 at 8 (docs/benchmarks.md)."""
+with distinct (cold) weights (`scripts/few_rows_time.py --bf16`): panels 10.2 ms against 13.8 at 2
+rows, 14.7 against 14.1 at 3 (15.4 against 14.3 timed in reverse: a near tie, left with the panels
+until an A/B of the step says otherwise), 15.6 against 14.1 at 4, 18.7 against 14.3 at 8 (docs/benchmarks.md)."""
 
 
 @functools.cache

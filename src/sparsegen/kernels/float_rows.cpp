@@ -193,9 +193,9 @@ torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor packed, int64_t ou
 }
 
 // Rows up to which torch's GEMM past the panels goes weight first (`weight @ x.T`, then laid out as
-// rows): on an Intel Xeon with AMX, the default model's 210 bf16 products, cold, 15.8 ms against
-// `at::linear`'s 19.7 at 8 rows, 16.8 against 20.0 at 16, 19.6 against 19.9 at 20, 20.6 against 20.2 at
-// 24 (docs/benchmarks.md).
+// rows): on an Intel Xeon with AMX, the default model's 210 bf16 products, cold, 14.3 ms against
+// `at::linear`'s 18.4 at 8 rows, 15.5 against 18.6 at 16, 18.8 against 19.5 at 20, 20.9 against 19.8 at
+// 24 (scripts/few_rows_time.py --bf16; docs/benchmarks.md).
 constexpr int64_t kWeightFirstRows = 20;
 
 // torch's weight-first product [out, rows] laid out as rows [rows, out]: a plain loop over columns in
