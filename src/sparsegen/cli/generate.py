@@ -326,6 +326,7 @@ def serve(
     from sparsegen.kv.policy import count_or_share
     from sparsegen.models import dtype_named
     from sparsegen.serve import build_app
+    from sparsegen.serve.server import engine_first_switching
 
     if compile:
         err.print("answering at once with the eager step; the compiled step is built meanwhile and takes over")
@@ -343,4 +344,5 @@ def serve(
     )
     err.print(application.state.engine.memory.describe())
     err.print(f"serving {model} with {policy} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
-    uvicorn.run(application, host=host, port=port, log_level="warning")
+    with engine_first_switching():
+        uvicorn.run(application, host=host, port=port, log_level="warning")
