@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsegen import few_rows
-from sparsegen.few_rows import AMX_PANEL_ROWS, BF16_PANEL_ROWS, FLOAT_ROWS_MAX, float_rows_op, linear, pack_weights
+from sparsegen.few_rows import AMX_PANEL_ROWS, FLOAT_ROWS_MAX, float_rows_op, linear, pack_weights
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -127,11 +127,11 @@ def test_linear_with_and_without_the_kernel_equals_f_linear(rows):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("rows", [1, AMX_PANEL_ROWS, AMX_PANEL_ROWS + 1, FLOAT_ROWS_MAX + 1, 21, BF16_PANEL_ROWS, 257])
-def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows, amx, monkeypatch):
-    """bf16 rows over bf16 panels: the kernel up to `bf16_panel_rows()` (within a bf16 rounding of
-    F.linear), torch's GEMM beyond (oneDNN's bf16 GEMM, AMX's tiles where the CPU has them); with
-    AMX the kernel only to AMX_PANEL_ROWS, then the GEMM weight first to 20 rows, F.linear beyond."""
+@pytest.mark.parametrize("rows", [1, AMX_PANEL_ROWS, AMX_PANEL_ROWS + 1, FLOAT_ROWS_MAX + 1, 21, 256, 257, 600])
+def test_bf16_linear_takes_the_kernel_without_amx_and_onednn_for_a_prompt_with_it(rows, amx, monkeypatch):
+    """bf16 rows over bf16 panels: without AMX the kernel at every row count (within a bf16 rounding
+    of F.linear); with AMX the kernel only to AMX_PANEL_ROWS, then torch's GEMM (AMX's tiles) weight
+    first to 20 rows, F.linear beyond."""
     monkeypatch.setattr(few_rows, "cpu_flags", lambda: frozenset({"amx_bf16"} if amx else {"avx512_bf16"}))
     few_rows.bf16_panel_rows.cache_clear()
     x, weight = torch.randn(rows, 48).bfloat16(), torch.randn(24, 48).bfloat16()
@@ -139,7 +139,7 @@ def test_bf16_linear_takes_the_kernel_for_few_rows_and_onednn_for_a_prompt(rows,
         got, expected = linear(x, weight, None, pack(weight)), torch.nn.functional.linear(x, weight)
     finally:
         few_rows.bf16_panel_rows.cache_clear()
-    panel_rows = AMX_PANEL_ROWS if amx else BF16_PANEL_ROWS
+    panel_rows = AMX_PANEL_ROWS if amx else rows
     if rows > max(panel_rows, 20):
         assert torch.equal(got, expected)
     elif rows > panel_rows:
@@ -175,3 +175,22 @@ def test_prompt_products_keep_their_gradient(packed):
     torch.testing.assert_close(x.grad, weight.sum(0).expand(20, 8))
     with torch.no_grad():
         torch.testing.assert_close(linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(float_rows_op() is None, reason="the few-row kernel could not be built here")
+def test_without_amx_each_bf16_row_is_the_same_bit_for_bit_whatever_rows_come_with_it(monkeypatch):
+    """The panels run every row as alone at any row count (none of it handed to a GEMM whose sums
+    follow another order): 600 rows in one call equal them in three calls of 200, bit for bit (a
+    GEMM past 256 rows moved 65-81 of these 614,400 numbers by a bf16 rounding)."""
+    monkeypatch.setattr(few_rows, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    few_rows.bf16_panel_rows.cache_clear()
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(600, 576, generator=generator) * 3).bfloat16()
+    weight = (torch.randn(1024, 576, generator=generator) / 24).bfloat16()
+    packed = pack(weight)
+    try:
+        whole = linear(x, weight, None, packed)
+        parts = torch.cat([linear(x[start : start + 200], weight, None, packed) for start in (0, 200, 400)])
+    finally:
+        few_rows.bf16_panel_rows.cache_clear()
+    assert torch.equal(whole, parts)

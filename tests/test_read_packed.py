@@ -6,8 +6,10 @@ import threading
 import pytest
 import torch
 from conftest import build_tiny, tiny_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import sparsegen
+import sparsegen.few_rows as few_rows
 import sparsegen.serve.batching as batching
 from sparsegen.decode.reading import packable, read, read_packed
 from sparsegen.errors import SparsegenError
@@ -33,6 +35,35 @@ def test_prompts_read_packed_equal_each_read_alone(arch, attn, policy):
         for a, b in zip(one.layers, other.layers, strict=True):
             assert torch.equal(a.positions, b.positions)  # the policy kept the same tokens
             torch.testing.assert_close(a.keys[:, :, : a.size], b.keys[:, :, : b.size], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(few_rows.float_rows_op() is None, reason="the few-row kernel could not be built here")
+def test_in_bf16_under_the_server_s_products_a_prompt_read_packed_gives_its_logits_bit_for_bit(monkeypatch):
+    """The server's setup (its Linear layers on the packed panels, a CPU without AMX): 300 rows read
+    packed give each prompt the logits it gets read alone, to the last bit, so the server's answers
+    do not depend on which prompts waited together (a GEMM past 256 rows moved them)."""
+    monkeypatch.setattr(few_rows, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    few_rows.bf16_panel_rows.cache_clear()
+    torch.manual_seed(0)  # the default model's widths: products long enough for a GEMM's other order to show
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 260, 37))]
+    patched = few_rows.use_gemv(model, rows_vary=True, packed=few_rows.pack_weights(model))
+    try:
+        alone = [read_packed(model, [ids], [make_cache(model, "full")])[0] for ids in prompts]
+        together = read_packed(model, prompts, [make_cache(model, "full") for _ in prompts])
+    finally:
+        few_rows.restore_linears(patched)
+        few_rows.bf16_panel_rows.cache_clear()
+    assert all(torch.equal(one, row) for one, row in zip(alone, together, strict=True))
 
 
 def test_a_held_cache_or_a_model_s_own_sliding_layers_are_refused():
@@ -103,9 +134,8 @@ def test_a_failed_packed_read_fails_its_requests_frees_their_kv_and_the_engine_s
             assert ended.acquire(timeout=60)
         assert failures and engine.held_kv_bytes() == 0
         assert all(isinstance(events[i][-1], Failed) and "injected failure" in events[i][-1].message for i in range(3))
-        engine.submit(
-            GenerationRequest(PROMPTS[1], 3, engine.kv), lambda e: collect(3, e)
-        )  # alone: read without packing
+        monkeypatch.undo()  # the reads work again: the engine answers the next request
+        engine.submit(GenerationRequest(PROMPTS[1], 3, engine.kv), lambda e: collect(3, e))
         assert ended.acquire(timeout=60)
     finally:
         engine.close()

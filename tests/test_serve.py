@@ -230,7 +230,7 @@ def test_a_failure_inside_one_request_is_a_500_and_the_next_request_is_served(se
     from sparsegen.serve import batching
 
     url, _, _ = server
-    original = batching.read  # the engine's prompt read
+    original = batching.read_packed  # the engine's read of a lone fresh prompt
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -239,7 +239,7 @@ def test_a_failure_inside_one_request_is_a_500_and_the_next_request_is_served(se
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(batching, "read", flaky)
+    monkeypatch.setattr(batching, "read_packed", flaky)
     body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}
     response = httpx.post(f"{url}/v1/completions", json=body)
     assert response.status_code == 500 and "injected failure" in _error(response)["message"]

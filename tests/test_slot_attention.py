@@ -35,6 +35,28 @@ def test_slot_attention_equals_masked_softmax_over_the_live_slots(b, h, g, d, n,
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("held", [torch.float32, torch.float16])
+def test_a_row_s_attention_is_the_same_bit_for_bit_alone_or_among_rows_with_more_slots(held):
+    """A row decoded alone, or beside 7 others in a call whose slot count their longer rows set,
+    gets one result to the last bit (parts of the slots split by the call's shape summed it in
+    another order: the server's answers then depended on the rows it served together)."""
+    assert kernels_available()
+    generator = torch.Generator().manual_seed(3)
+    query, keys, values = (torch.randn(8, 3, 3, 64, generator=generator) for _ in range(3))
+    keys, values = (torch.randn(8, 3, 900, 64, generator=generator).to(held) for _ in range(2))
+    positions = torch.arange(900).expand(8, 3, 900).clone()
+    positions[0, :, 600:] = -1  # row 0 holds 600 tokens, the others 900
+    alone = slot_attention(
+        query[:1],
+        keys[:1, :, :600].contiguous(),
+        values[:1, :, :600].contiguous(),
+        positions[:1, :, :600].contiguous(),
+        0.125,
+    )
+    together = slot_attention(query, keys, values, positions, 0.125)
+    assert torch.equal(alone[0], together[0])
+
+
 def test_slot_attention_compiles_as_one_call_for_any_row_and_slot_count():
     torch._dynamo.reset()
     compiled = torch.compile(slot_attention, fullgraph=True, dynamic=True)

@@ -16,13 +16,9 @@ from sparsegen.models import cpu_flags
 GEMV_ROWS = 4
 FLOAT_ROWS_MAX = 16
 """Rows up to which eager products without packed weights go weight first (beyond, `prompt_linear`)."""
-BF16_PANEL_ROWS = 256
-"""Rows up to which a bf16 product over packed panels stays the kernel on a CPU without AMX. Zen 5,
-2 threads, the default model's 210 layer products, cold: 17.9 ms against oneDNN's bf16 `F.linear`
-25.7 at 48 rows, 40.3 against 45.4 at 128, 74.5 against 75.3 at 256, 110.8 against 103.8 at 384
-(docs/benchmarks.md); where AMX's tiles compute oneDNN's GEMM, `AMX_PANEL_ROWS`."""
 AMX_PANEL_ROWS = 3
-"""The same with AMX, where more rows are torch's GEMM, weight first (`weight @ x.T`) to 20 rows
+"""Rows up to which a bf16 product over packed panels stays the kernel where AMX's tiles compute
+oneDNN's GEMM; more rows are torch's GEMM, weight first (`weight @ x.T`) to 20 rows
 (`kernels/float_rows.cpp`): an Intel Xeon (AMX, 2 threads), the default model's 210 layer products
 with distinct (cold) weights (`scripts/few_rows_time.py --bf16`): panels 10.2 ms against 13.8 at 2
 rows, 14.7 against 14.1 at 3 (15.4 against 14.3 timed in reverse: a near tie, left with the panels
@@ -30,9 +26,13 @@ until an A/B of the step says otherwise), 15.6 against 14.1 at 4, 18.7 against 1
 
 
 @functools.cache
-def bf16_panel_rows() -> int:
-    """Rows up to which a bf16 product takes the packed panels (`BF16_PANEL_ROWS`, `AMX_PANEL_ROWS` with AMX)."""
-    return AMX_PANEL_ROWS if "amx_bf16" in cpu_flags() else BF16_PANEL_ROWS
+def bf16_panel_rows() -> int | None:
+    """Rows up to which a bf16 product takes the packed panels: `AMX_PANEL_ROWS` with AMX, else any
+    number (None). Without AMX the panels run each row as it would run alone, so a prompt read packed
+    with others gives its logits bit for bit as read alone (oneDNN past 256 rows moved them by up to
+    0.375), and the server's answers do not depend on what else it serves; oneDNN was at most 7%
+    faster, at 384 rows on a Zen 5, and level at 512 on a Zen 4 (docs/benchmarks.md)."""
+    return AMX_PANEL_ROWS if "amx_bf16" in cpu_flags() else None
 
 
 @functools.cache
@@ -72,8 +72,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     near the memory bus's speed: 2x the batch-1 `mm` kernel on this CPU). Eagerly, fp32 products
     go to the kernel over the layer's `packed` weight (`pack_weights`) at any row count (it beats
     oneDNN from 3 to 2,048 rows here, by 44% at 48: docs/benchmarks.md), bf16 ones up to
-    `bf16_panel_rows()` (a longer prompt's read stays oneDNN's, which has AMX where the CPU does),
-    unless a gradient is wanted. Without it, up to `FLOAT_ROWS_MAX` rows go weight first
+    `bf16_panel_rows()` (with AMX a longer prompt's read is oneDNN's, on AMX's tiles), unless a
+    gradient is wanted. Without it, up to `FLOAT_ROWS_MAX` rows go weight first
     (`weight @ x.T`: MKL streams the weight faster that way round), more to `prompt_linear`."""
     if not x.is_cpu:
         return torch.nn.functional.linear(x, weight, bias)
@@ -103,14 +103,15 @@ def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, packed, panel_rows: int):
+def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows, packed, panel_rows):
     """The kernel over `packed` where given and x has its dtype, else weight first (`weight @ x.T`);
-    neither asks anything of the row count. A bf16 product past `panel_rows` rows (`bf16_panel_rows()`)
-    is torch's GEMM (weight first to 20 rows), chosen inside the kernel's call: a compiled step of
-    any row count decides as it runs."""
+    neither asks anything of the row count. A bf16 product past `panel_rows` rows (`bf16_panel_rows()`,
+    None: no limit) is torch's GEMM (weight first to 20 rows), chosen inside the kernel's call: a
+    compiled step of any row count decides as it runs."""
     flat = x.reshape(rows, x.shape[-1])
     if packed is not None and x.dtype == packed.dtype:
-        gemm = (weight, panel_rows) if packed.dtype == torch.bfloat16 else (None, -1)
+        limited = packed.dtype == torch.bfloat16 and panel_rows is not None
+        gemm = (weight, panel_rows) if limited else (None, -1)
         out = torch.ops.sparsegen.float_rows_linear(flat.contiguous(), packed, weight.shape[0], *gemm)
     else:
         out = (weight @ flat.T).T

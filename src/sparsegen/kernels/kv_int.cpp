@@ -2,13 +2,12 @@
 // as byte rows (kv_scores, kv_mix), and over full-precision keys at rolling positions (rolled_scores);
 // and a decode step's whole attention over fp32 or fp16 slots in one call (slot_attention).
 //
-// Byte rows (sparsegen/kv/quantized.py): each row
-// is D codes (one byte each at 8 bits, two a byte at 4, low nibble first) followed by, per group
-// of `group` channels, an fp16 scale and an fp16 minimum. A slot whose token is among its row's
-// first `sinks` or newest RESIDUAL is read from the full-precision ring instead (slots 0..sinks-1
-// hold the first tokens, the rest the newest by position mod RESIDUAL), and a free slot (position
-// < 0) is skipped. Each row is decoded into a buffer that stays in L1 and used at once for every query of
-// its head, so a step reads the bytes and never a float copy of the cache.
+// Byte rows (sparsegen/kv/quantized.py): each row is D codes (one byte each at 8 bits, two a byte at 4, low
+// nibble first) followed by, per group of `group` channels, an fp16 scale and an fp16 minimum. A slot whose
+// token is among its row's first `sinks` or newest RESIDUAL is read from the full-precision ring instead
+// (slots 0..sinks-1 hold the first tokens, the rest the newest by position mod RESIDUAL), and a free slot
+// (position < 0) is skipped. Each row is decoded into a buffer that stays in L1 and used at once for every
+// query of its head, so a step reads the bytes and never a float copy of the cache.
 //
 // The decoded buffer is in "code order": at 4 bits the low nibbles' channels (0, 2, 4, ...) then
 // the high nibbles' (1, 3, 5, ...), which one shift and mask give without shuffles; the queries
@@ -243,6 +242,7 @@ torch::Tensor rolled_scores(torch::Tensor query, torch::Tensor keys, torch::Tens
 }
 
 constexpr int64_t kSlotBlock = 32;  // slots whose keys (values) stay in L1 while every query of their head reads them
+constexpr int64_t kSlotPart = 256;  // slots a part: fixed, so a row's sums do not depend on the rows beside it
 
 // The rows of a block of live slots as every query of their head reads them: fp32 rows where they
 // are held; fp16 rows widened once into `buffer` (in L1), in block order, where each query widening
@@ -269,7 +269,7 @@ template <typename T>
 void attend_parts(const float* q_all, const T* k_all, const T* v_all, const int64_t* p_all, float scaling,
                   int64_t g, int64_t d, int64_t n, int64_t parts, int64_t items, float* maxima, float* sums,
                   float* mixed) {
-  const int64_t span = (n + parts - 1) / parts;
+  const int64_t span = kSlotPart;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g * span), buffer(std::is_same_v<T, float> ? 0 : kSlotBlock * d);
     std::vector<int64_t> live(span), in_order(kSlotBlock);
@@ -306,8 +306,8 @@ void attend_parts(const float* q_all, const T* k_all, const T* v_all, const int6
 // One decode step's attention over fp32 or fp16 slots: softmax(scaling * q . k) . v over each row's
 // live slots (position >= 0; free and dead slots are never read), for an fp32 query [b, h, g, d],
 // keys and values [b, h, n, d], positions [b, h, n] -> fp32 [b, h, g, d]. One pass per (row, KV
-// head, part of the slots); the parts (so that two cores share three heads) merged by their maxima
-// and sums.
+// head, kSlotPart slots: two cores share three heads), the parts merged by their maxima and sums in
+// slot order: a row's result is the same whatever the rows and slot count of the call.
 torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor positions,
                              double scaling) {
   const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3), n = keys.size(2);
@@ -323,7 +323,7 @@ torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Ten
   TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.dim() == 3 &&
                   positions.size(0) == b && positions.size(1) == h && positions.size(2) == n,
               "slot_attention: contiguous int64 positions [b, h, n] expected");
-  const int64_t parts = std::max<int64_t>(1, std::min((2 * at::get_num_threads() + b * h - 1) / (b * h), n / 256));
+  const int64_t parts = std::max<int64_t>(1, (n + kSlotPart - 1) / kSlotPart);
   const int64_t items = b * h * parts;
   std::vector<float> maxima(items * g), sums(items * g), mixed(items * g * d, 0.f);
   const float* q = query.data_ptr<float>();

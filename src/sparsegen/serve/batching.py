@@ -238,11 +238,12 @@ class Engine:
 
     # -- prefill, one chunk per iteration -------------------------------------------------------
     def _read_next(self) -> None:
-        """Read the first waiting prompt's next chunk; where it and others that wait are whole
+        """Read the first waiting prompt's next chunk; where it and any others that wait are whole
         fresh prompts that fit one chunk together, read them all in one packed forward (the
-        weights read once for all: a prompt read is mostly that at these sizes)."""
+        weights read once for all: a prompt read is mostly that at these sizes; one such prompt
+        alone is read the same way, so its answer does not depend on whether others waited)."""
         group = self._packable_group()
-        if len(group) < 2:
+        if not group:
             self._guarded(self.prefilling[0], self._read_chunk)
             return
 
