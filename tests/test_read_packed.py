@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from conftest import build_tiny, tiny_tokenizer
+from conftest import COMMON, build_tiny, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import sparsegen
@@ -45,15 +45,8 @@ def test_in_bf16_under_the_server_s_products_a_prompt_read_packed_gives_its_logi
     monkeypatch.setattr(few_rows, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     few_rows.bf16_panel_rows.cache_clear()
     torch.manual_seed(0)  # the default model's widths: products long enough for a GEMM's other order to show
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=512,
-    )
+    widths = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9)
+    config = LlamaConfig(**{**COMMON, **widths, "num_key_value_heads": 3, "max_position_embeddings": 512})
     model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
     prompts = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 260, 37))]
     patched = few_rows.use_gemv(model, rows_vary=True, packed=few_rows.pack_weights(model))
