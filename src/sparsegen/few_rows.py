@@ -30,8 +30,8 @@ def bf16_panel_rows() -> int | None:
     """Rows up to which a bf16 product takes the packed panels: `AMX_PANEL_ROWS` with AMX, else any
     number (None). Without AMX the panels run each row as it would run alone, so a prompt read packed
     with others gives its logits bit for bit as read alone (oneDNN past 256 rows moved them by up to
-    0.375), and the server's answers do not depend on what else it serves; oneDNN was at most 7%
-    faster, at 384 rows on a Zen 5, and level at 512 on a Zen 4 (docs/benchmarks.md)."""
+    0.375), and the server's answers do not depend on what else it serves; oneDNN was 7% faster at
+    384 rows on a Zen 5, level to 10% faster on 512-row reads on a Zen 4 (docs/benchmarks.md)."""
     return AMX_PANEL_ROWS if "amx_bf16" in cpu_flags() else None
 
 

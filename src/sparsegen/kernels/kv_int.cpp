@@ -306,8 +306,8 @@ void attend_parts(const float* q_all, const T* k_all, const T* v_all, const int6
 // One decode step's attention over fp32 or fp16 slots: softmax(scaling * q . k) . v over each row's
 // live slots (position >= 0; free and dead slots are never read), for an fp32 query [b, h, g, d],
 // keys and values [b, h, n, d], positions [b, h, n] -> fp32 [b, h, g, d]. One pass per (row, KV
-// head, kSlotPart slots: two cores share three heads), the parts merged by their maxima and sums in
-// slot order: a row's result is the same whatever the rows and slot count of the call.
+// head, kSlotPart slots: a long row's parts spread over the cores), merged by their maxima and sums
+// in slot order: a row's result is the same whatever the rows and slot count of the call.
 torch::Tensor slot_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor positions,
                              double scaling) {
   const int64_t b = query.size(0), h = query.size(1), g = query.size(2), d = query.size(3), n = keys.size(2);
